@@ -1,0 +1,72 @@
+"""The tensors each Triton model of the repository takes and returns, declared once.
+
+Export writes every config.pbtxt from these declarations and the Triton adapters read their
+inputs by these names, so a rename happens here or nowhere. Text embeddings and latents cross
+model boundaries as FP32 whatever the engines' dtype: converting fp16/bf16 to fp32 and back is
+exact, and it keeps the wire format independent of the deployment.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TensorDecl:
+    name: str
+    dtype: str  # Triton data type without the TYPE_ prefix: FP32, INT32, INT64, BYTES, UINT8
+    dims: tuple[int, ...]
+    optional: bool = False
+
+
+@dataclass(frozen=True)
+class ModelDecl:
+    inputs: tuple[TensorDecl, ...]
+    outputs: tuple[TensorDecl, ...]
+
+    def input(self, name: str) -> TensorDecl:
+        return next(t for t in self.inputs if t.name == name)
+
+
+def _t(name, dtype, *dims, optional=False):
+    return TensorDecl(name, dtype, tuple(dims), optional)
+
+
+PARAMS = _t("params", "BYTES", 1)  # GenerateParams as JSON, carrying stage timings along
+
+# The public model `easel`: what HTTP/gRPC clients and perf_analyzer send.
+PUBLIC = ModelDecl(
+    inputs=(
+        # Optional for Triton so that a missing prompt reaches preprocess, which names it in its
+        # error; an ensemble would otherwise stall without a clear message.
+        _t("prompt", "BYTES", 1, optional=True),
+        _t("negative_prompt", "BYTES", 1, optional=True),
+        _t("width", "INT32", 1, optional=True),
+        _t("height", "INT32", 1, optional=True),
+        _t("steps", "INT32", 1, optional=True),
+        _t("guidance_scale", "FP32", 1, optional=True),
+        _t("seed", "INT64", 1, optional=True),
+        _t("scheduler", "BYTES", 1, optional=True),
+    ),
+    outputs=(_t("image", "BYTES", 1), _t("info", "BYTES", 1)),
+)
+
+EMBEDS = (_t("prompt_embeds", "FP32", -1, -1, -1), _t("pooled_embeds", "FP32", -1, -1))
+LATENTS = _t("latents", "FP32", 1, -1, -1, -1)
+PIXELS = _t("pixels", "UINT8", -1, -1, 3)
+
+PREPROCESS = ModelDecl(inputs=PUBLIC.inputs, outputs=(PARAMS,))
+TEXT_ENCODER = ModelDecl(inputs=(PARAMS,), outputs=(PARAMS, *EMBEDS))
+GENERATE = ModelDecl(inputs=(PARAMS, *EMBEDS), outputs=(PARAMS, LATENTS))
+DENOISER = ModelDecl(inputs=(PARAMS, *EMBEDS), outputs=(PARAMS, LATENTS))
+VAE_DECODER = ModelDecl(inputs=(PARAMS, LATENTS), outputs=(PARAMS, PIXELS))
+POSTPROCESS = ModelDecl(inputs=(PARAMS, PIXELS), outputs=PUBLIC.outputs)
+
+# The ensemble's steps in order: (model, its declaration).
+PIPELINE = (
+    ("preprocess", PREPROCESS),
+    ("text_encoder", TEXT_ENCODER),
+    ("generate", GENERATE),
+    ("vae_decoder", VAE_DECODER),
+    ("postprocess", POSTPROCESS),
+)

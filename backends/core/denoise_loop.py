@@ -1,0 +1,122 @@
+"""The denoiser's loop thread: the one owner of the engine.
+
+    plan = scheduler.schedule()   # who runs this step
+    engine.step(states of plan)   # one batched UNet call
+    scheduler.update(plan, out)   # advance, finish, fail
+
+`submit` and `cancel` only enqueue, so Triton's `execute` never blocks. Finished requests are
+handed to `on_done`, which must not block either (the Triton adapter queues the response and a
+sender thread sends it), so sending never delays the next step. Cancellation is checked
+between steps.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+
+from .denoise_engine import DenoiseJob, RequestState, TorchDenoiser
+from .step_scheduler import SchedulerConfig, SeqState, Status, StepOutput, StepScheduler
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DenoiseResult:
+    request_id: str
+    latents: np.ndarray | None
+    error: str | None
+    queue_s: float  # from arrival to its first step
+    denoise_s: float  # from its first step to its last
+    steps: int
+
+
+class DenoiseLoop:
+    def __init__(self, engine: TorchDenoiser, on_done: Callable[[DenoiseResult], None],
+                 config: SchedulerConfig = SchedulerConfig()):
+        self.engine = engine
+        self.on_done = on_done
+        self.scheduler = StepScheduler(config)
+        self.states: dict[str, RequestState] = {}
+        self._inbox: queue.Queue[DenoiseJob | None] = queue.Queue()
+        self._stopping = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="easel-denoise-loop", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, job: DenoiseJob) -> None:
+        self._inbox.put(job)
+
+    def shutdown(self, timeout: float = 30.0) -> None:
+        """Stop taking work, fail what is left, and join the thread."""
+        self._stopping.set()
+        self._inbox.put(None)
+        self._thread.join(timeout)
+
+    # --- loop thread only below ---
+
+    def _run(self) -> None:
+        while not self._stopping.is_set():
+            self._drain(block=not self.scheduler.has_work())
+            self._reap_cancelled()
+            plan = self.scheduler.schedule(now=time.monotonic())
+            if plan is None:
+                continue
+            batch = [self.states[rid] for rid in plan.request_ids]
+            try:
+                self.engine.step(batch)
+                output = StepOutput()
+            except Exception as exc:  # one bad step fails its batch, not the server
+                log.exception("denoising step failed for %s", plan.request_ids)
+                output = StepOutput(failed={rid: f"denoising step failed: {exc}" for rid in plan.request_ids})
+            for seq in self.scheduler.update(plan, output):
+                self._finish(seq)
+        for rid in list(self.states):
+            seq = self.scheduler.abort(rid, Status.FAILED, "the denoiser is shutting down")
+            if seq is not None:
+                self._finish(seq)
+
+    def _drain(self, block: bool) -> None:
+        while True:
+            try:
+                job = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if job is None:
+                return
+            self._admit(job)
+
+    def _admit(self, job: DenoiseJob) -> None:
+        try:
+            state = self.engine.start(job)
+            seq = SeqState(request_id=job.request_id, steps=len(state.timesteps),
+                           shape=tuple(state.latents.shape[-2:]), rows=state.rows, arrival=job.arrival)
+            self.scheduler.add(seq)
+        except Exception as exc:
+            log.warning("request %s refused: %s", job.request_id, exc)
+            self.on_done(DenoiseResult(job.request_id, None, str(exc), 0.0, 0.0, 0))
+            return
+        self.states[job.request_id] = state
+
+    def _reap_cancelled(self) -> None:
+        for rid, state in list(self.states.items()):
+            if state.job.is_cancelled():
+                seq = self.scheduler.abort(rid, Status.CANCELLED, "cancelled by the client")
+                if seq is not None:
+                    self._finish(seq)
+
+    def _finish(self, seq: SeqState) -> None:
+        state = self.states.pop(seq.request_id)
+        now = time.monotonic()
+        first = seq.first_step_at if seq.first_step_at is not None else now
+        latents = self.engine.result(state) if seq.status is Status.FINISHED else None
+        self.on_done(DenoiseResult(seq.request_id, latents, seq.error, first - seq.arrival, now - first,
+                                   seq.steps_done))

@@ -1,0 +1,147 @@
+"""A generate request as typed parameters, validated against the deployment's limits.
+
+Plain Python (no torch): `preprocess` validates here, every later stage reads the same object
+back from the JSON it travels in. Errors name the field and the limit.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import secrets
+from dataclasses import dataclass, field
+from typing import Any, Mapping
+
+MAX_SEED = 2**63 - 1
+# Sampler names a request may choose; `default` is the model folder's own scheduler.
+# backends/core/schedulers.py maps each onto a diffusers class.
+SCHEDULER_NAMES = ("default", "euler", "euler_a", "dpmpp_2m_karras", "ddim")
+
+
+class InvalidInput(ValueError):
+    """A request input that breaks a rule; the message names the field and the limit."""
+
+    def __init__(self, field_name: str, message: str):
+        super().__init__(f"{field_name}: {message}")
+        self.field = field_name
+
+
+def strict_from_dict(cls, data: Mapping[str, Any], what: str):
+    """Build dataclass `cls` from `data`, refusing keys it does not declare."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(data) - names)
+    if unknown:
+        raise ValueError(f"{what}: unknown keys {unknown}; allowed: {sorted(names)}")
+    return cls(**data)
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one deployment accepts, and its defaults (written by export into the configs)."""
+
+    default_width: int = 1024
+    default_height: int = 1024
+    max_width: int = 2048
+    max_height: int = 2048
+    min_size: int = 64
+    size_multiple: int = 8
+    default_steps: int = 30
+    max_steps: int = 150
+    default_guidance_scale: float = 5.0
+    max_guidance_scale: float = 50.0
+    default_scheduler: str = "default"
+    max_prompt_bytes: int = 16384
+
+    @classmethod
+    def from_json(cls, text: str) -> "Limits":
+        return strict_from_dict(cls, json.loads(text), "limits")
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+@dataclass(frozen=True)
+class GenerateParams:
+    prompt: str
+    negative_prompt: str | None
+    width: int
+    height: int
+    steps: int
+    guidance_scale: float
+    seed: int
+    scheduler: str
+    # Stage timings and other facts that travel with the request into `info`.
+    trace: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def cfg(self) -> bool:
+        """Classifier-free guidance, on exactly when diffusers turns it on (guidance_scale > 1)."""
+        return self.guidance_scale > 1.0
+
+    def to_json(self) -> bytes:
+        return json.dumps(dataclasses.asdict(self)).encode()
+
+    @classmethod
+    def from_json(cls, data: bytes | str) -> "GenerateParams":
+        return strict_from_dict(cls, json.loads(data), "params")
+
+    def with_trace(self, **entries: Any) -> "GenerateParams":
+        return dataclasses.replace(self, trace={**self.trace, **entries})
+
+
+def _text(raw: Mapping[str, Any], name: str, limits: Limits, required: bool) -> str | None:
+    value = raw.get(name)
+    if value is None:
+        if required:
+            raise InvalidInput(name, "is required")
+        return None
+    if isinstance(value, bytes):
+        if len(value) > limits.max_prompt_bytes:
+            raise InvalidInput(name, f"is {len(value)} bytes, over the limit of {limits.max_prompt_bytes}")
+        try:
+            value = value.decode("utf-8")
+        except UnicodeDecodeError:
+            raise InvalidInput(name, "is not valid UTF-8") from None
+    return str(value)
+
+
+def _size(raw: Mapping[str, Any], name: str, default: int, maximum: int, limits: Limits) -> int:
+    value = raw.get(name)
+    if value is None:
+        return default
+    value = int(value)
+    if value < limits.min_size or value > maximum:
+        raise InvalidInput(name, f"{value} is outside [{limits.min_size}, {maximum}]")
+    if value % limits.size_multiple:
+        raise InvalidInput(name, f"{value} is not a multiple of {limits.size_multiple}")
+    return value
+
+
+def validate(raw: Mapping[str, Any], limits: Limits) -> GenerateParams:
+    """Turn the scalars of a request (None where absent) into GenerateParams, or raise InvalidInput."""
+    prompt = _text(raw, "prompt", limits, required=True)
+    negative = _text(raw, "negative_prompt", limits, required=False)
+    width = _size(raw, "width", limits.default_width, limits.max_width, limits)
+    height = _size(raw, "height", limits.default_height, limits.max_height, limits)
+
+    steps = raw.get("steps")
+    steps = limits.default_steps if steps is None else int(steps)
+    if not 1 <= steps <= limits.max_steps:
+        raise InvalidInput("steps", f"{steps} is outside [1, {limits.max_steps}]")
+
+    guidance = raw.get("guidance_scale")
+    guidance = limits.default_guidance_scale if guidance is None else float(guidance)
+    if not 0.0 <= guidance <= limits.max_guidance_scale:  # also refuses NaN
+        raise InvalidInput("guidance_scale", f"{guidance} is outside [0, {limits.max_guidance_scale}]")
+
+    seed = raw.get("seed")
+    seed = secrets.randbelow(2**31) if seed is None else int(seed)
+    if not 0 <= seed <= MAX_SEED:
+        raise InvalidInput("seed", f"{seed} is outside [0, {MAX_SEED}]")
+
+    scheduler = _text(raw, "scheduler", limits, required=False) or limits.default_scheduler
+    if scheduler not in SCHEDULER_NAMES:
+        raise InvalidInput("scheduler", f"unknown name {scheduler!r}; allowed: {', '.join(SCHEDULER_NAMES)}")
+
+    return GenerateParams(prompt=prompt, negative_prompt=negative, width=width, height=height, steps=steps,
+                          guidance_scale=guidance, seed=seed, scheduler=scheduler)

@@ -1,0 +1,141 @@
+"""Step-level continuous batching: who runs the next denoising step.
+
+`schedule() -> StepPlan`, the executor runs the plan, `update(plan, output)` advances the
+requests. Plain Python over dataclasses, no tensors: tested on CPU with fake outputs.
+
+Policy (FCFS admission, fair stepping): requests are admitted in arrival order while the
+running set has room; each step serves the running request that has waited longest since its
+own last step, batched with every other running request of the same latent shape (up to the
+row budget). Requests join before any step and leave after any step; shapes interleave.
+"""
+
+from __future__ import annotations
+
+import enum
+import itertools
+from dataclasses import dataclass, field
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+@dataclass
+class SeqState:
+    """What the scheduler knows about one request."""
+
+    request_id: str
+    steps: int
+    shape: tuple[int, int]  # latent (height, width): requests batch only with equal shapes
+    rows: int  # UNet batch rows this request takes (2 with classifier-free guidance)
+    arrival: float
+    steps_done: int = 0
+    status: Status = Status.WAITING
+    error: str | None = None
+    first_step_at: float | None = None
+    last_served: int = -1  # tick of its last step; -1 = never
+
+    @property
+    def done(self) -> bool:
+        return self.status in (Status.FINISHED, Status.FAILED, Status.CANCELLED)
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    tick: int
+    request_ids: tuple[str, ...]
+    shape: tuple[int, int]
+    admitted: tuple[str, ...] = ()  # joined the running set at this step
+
+
+@dataclass(frozen=True)
+class StepOutput:
+    """What the executor reports back; request ids of the plan that failed, with why."""
+
+    failed: dict[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    max_running: int = 16  # requests holding state (latents, scheduler) at once
+    max_batch_rows: int = 16  # UNet batch rows per step (a CFG request takes 2)
+
+
+class StepScheduler:
+    def __init__(self, config: SchedulerConfig = SchedulerConfig()):
+        if config.max_running < 1 or config.max_batch_rows < 2:
+            raise ValueError(f"scheduler config out of range: {config}")
+        self.config = config
+        self.waiting: list[SeqState] = []
+        self.running: dict[str, SeqState] = {}
+        self._ticks = itertools.count()
+
+    def add(self, seq: SeqState) -> None:
+        if seq.rows > self.config.max_batch_rows:
+            raise ValueError(f"request needs {seq.rows} rows, over max_batch_rows={self.config.max_batch_rows}")
+        if seq.request_id in self.running or any(s.request_id == seq.request_id for s in self.waiting):
+            raise ValueError(f"duplicate request id {seq.request_id!r}")
+        self.waiting.append(seq)
+
+    def abort(self, request_id: str, status: Status = Status.CANCELLED, error: str | None = None) -> SeqState | None:
+        """Remove a request wherever it is; returns it, or None if unknown."""
+        seq = self.running.pop(request_id, None)
+        if seq is None:
+            for i, s in enumerate(self.waiting):
+                if s.request_id == request_id:
+                    seq = self.waiting.pop(i)
+                    break
+        if seq is not None:
+            seq.status, seq.error = status, error
+        return seq
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self, now: float = 0.0) -> StepPlan | None:
+        admitted = []
+        while self.waiting and len(self.running) < self.config.max_running:
+            seq = self.waiting.pop(0)
+            seq.status = Status.RUNNING
+            self.running[seq.request_id] = seq
+            admitted.append(seq.request_id)
+        if not self.running:
+            return None
+
+        def staleness(s: SeqState):
+            return (s.last_served, s.arrival)
+
+        lead = min(self.running.values(), key=staleness)
+        batch, rows = [], 0
+        for seq in sorted((s for s in self.running.values() if s.shape == lead.shape), key=staleness):
+            if rows + seq.rows > self.config.max_batch_rows:
+                break
+            batch.append(seq)
+            rows += seq.rows
+        tick = next(self._ticks)
+        for seq in batch:
+            seq.last_served = tick
+            if seq.first_step_at is None:
+                seq.first_step_at = now
+        return StepPlan(tick=tick, request_ids=tuple(s.request_id for s in batch), shape=lead.shape,
+                        admitted=tuple(admitted))
+
+    def update(self, plan: StepPlan, output: StepOutput) -> list[SeqState]:
+        """Advance the plan's requests by one step; returns those that left the running set."""
+        left = []
+        for rid in plan.request_ids:
+            seq = self.running.get(rid)
+            if seq is None:  # aborted while its step ran
+                continue
+            if rid in output.failed:
+                left.append(self.abort(rid, Status.FAILED, output.failed[rid]))
+                continue
+            seq.steps_done += 1
+            if seq.steps_done >= seq.steps:
+                seq.status = Status.FINISHED
+                left.append(self.running.pop(rid))
+        return left

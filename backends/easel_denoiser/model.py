@@ -1,0 +1,76 @@
+"""Triton adapter of the denoiser (decoupled): one per GPU, continuous batching inside.
+
+`execute` only turns requests into DenoiseJobs and enqueues them; the loop thread owns the
+engine; a sender thread sends finished results, so responses never wait on a step and a step
+never waits on a response. finalize: stop the loop (failing what is left), then drain the
+sender, in that order.
+"""
+
+import os
+import site
+
+for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    if _p:
+        site.addsitedir(_p)  # the stub's interpreter does not read PYTHONPATH itself
+
+import queue  # noqa: E402
+import threading  # noqa: E402
+import uuid  # noqa: E402
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+from backends.core.denoise_engine import DenoiseJob, TorchDenoiser  # noqa: E402
+from backends.core.denoise_loop import DenoiseLoop, DenoiseResult  # noqa: E402
+from backends.core.step_scheduler import SchedulerConfig  # noqa: E402
+from backends.triton_adapter import (  # noqa: E402
+    artifact_folder, error, parameters, params_tensor, placement, read_params, setup_logging)
+
+FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        setup_logging()
+        params = parameters(args)
+        config = SchedulerConfig(max_running=int(params.get("max_running", 16)),
+                                 max_batch_rows=int(params.get("max_batch_rows", 16)))
+        self.pending: dict[str, tuple] = {}
+        self.outbox: queue.Queue[DenoiseResult | None] = queue.Queue()
+        self.sender = threading.Thread(target=self._send_loop, name="easel-denoise-sender", daemon=True)
+        self.sender.start()
+        self.loop = DenoiseLoop(TorchDenoiser(artifact_folder(args), placement(args)), self.outbox.put, config)
+        self.loop.start()
+
+    def execute(self, requests):
+        for request in requests:
+            sender = request.get_response_sender()
+            try:
+                params = read_params(request)
+                job = DenoiseJob(
+                    request_id=uuid.uuid4().hex, params=params,
+                    prompt_embeds=pb_utils.get_input_tensor_by_name(request, "prompt_embeds").as_numpy(),
+                    pooled_embeds=pb_utils.get_input_tensor_by_name(request, "pooled_embeds").as_numpy(),
+                    is_cancelled=sender.is_cancelled)
+            except Exception as exc:
+                sender.send(error(f"denoiser: {exc}"), flags=FINAL)
+                continue
+            self.pending[job.request_id] = (sender, params)
+            self.loop.submit(job)
+        return None
+
+    def _send_loop(self):
+        while (result := self.outbox.get()) is not None:
+            sender, params = self.pending.pop(result.request_id)
+            if result.error is not None:
+                sender.send(error(f"denoiser: {result.error}"), flags=FINAL)
+                continue
+            params = params.with_trace(queue_s=result.queue_s, denoise_s=result.denoise_s)
+            sender.send(pb_utils.InferenceResponse([
+                params_tensor(params), pb_utils.Tensor("latents", np.ascontiguousarray(result.latents))]),
+                flags=FINAL)
+
+    def finalize(self):
+        self.loop.shutdown()
+        self.outbox.put(None)
+        self.sender.join(timeout=30)

@@ -1,0 +1,50 @@
+"""Triton adapter: hands a request to a denoiser (decoupled, by BLS) and waits for its latents.
+
+The public pipeline is unary; this step is where it meets the continuously batching denoiser.
+It holds no tensors' maths (numpy only), so many light instances can wait at once.
+"""
+
+import os
+import site
+
+for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    if _p:
+        site.addsitedir(_p)  # the stub's interpreter does not read PYTHONPATH itself
+
+import itertools  # noqa: E402
+import time  # noqa: E402
+
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+from backends.core.contract import DENOISER  # noqa: E402
+from backends.triton_adapter import error, parameters, setup_logging  # noqa: E402
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        setup_logging()
+        names = [n.strip() for n in parameters(args)["denoisers"].split(",") if n.strip()]
+        if not names:
+            raise ValueError("parameter denoisers names no model")
+        # Round robin over the denoisers (one per GPU); each batches what it receives.
+        self.denoisers = itertools.cycle(names)
+
+    def execute(self, requests):
+        return [self._generate(request) for request in requests]
+
+    def _generate(self, request):
+        inputs = [pb_utils.get_input_tensor_by_name(request, t.name) for t in DENOISER.inputs]
+        bls = pb_utils.InferenceRequest(model_name=next(self.denoisers),
+                                        requested_output_names=[t.name for t in DENOISER.outputs],
+                                        inputs=inputs)
+        start = time.perf_counter()
+        final = None
+        for response in bls.exec(decoupled=True):
+            if response.has_error():
+                return error(response.error().message())
+            if response.output_tensors():
+                final = response
+        if final is None:
+            return error("the denoiser finished without a result")
+        outputs = {t.name(): t for t in final.output_tensors()}
+        return pb_utils.InferenceResponse([outputs[t.name] for t in DENOISER.outputs])

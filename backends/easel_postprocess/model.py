@@ -1,0 +1,52 @@
+"""Triton adapter: pixels -> PNG bytes, and the request's `info` JSON (CPU, no torch)."""
+
+import os
+import site
+
+for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    if _p:
+        site.addsitedir(_p)  # the stub's interpreter does not read PYTHONPATH itself
+
+import io  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+from PIL import Image  # noqa: E402
+
+from backends.triton_adapter import error, read_params, setup_logging  # noqa: E402
+
+
+def info_of(params) -> dict:
+    trace = dict(params.trace)
+    received = trace.pop("received_at", None)
+    info = {"seed": params.seed, "steps": params.steps, "scheduler": params.scheduler,
+            "width": params.width, "height": params.height, "guidance_scale": params.guidance_scale,
+            "queue_s": trace.pop("queue_s", None), "stages_s": trace}
+    if received is not None:
+        info["total_s"] = time.time() - received
+    return info
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        setup_logging()
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                params = read_params(request)
+                start = time.perf_counter()
+                buf = io.BytesIO()
+                Image.fromarray(pb_utils.get_input_tensor_by_name(request, "pixels").as_numpy()).save(buf, format="PNG")
+                params = params.with_trace(postprocess_s=time.perf_counter() - start)
+                info = json.dumps(info_of(params)).encode()
+            except Exception as exc:
+                responses.append(error(f"postprocess: {exc}"))
+                continue
+            responses.append(pb_utils.InferenceResponse([
+                pb_utils.Tensor("image", np.array([buf.getvalue()], dtype=np.object_)),
+                pb_utils.Tensor("info", np.array([info], dtype=np.object_))]))
+        return responses

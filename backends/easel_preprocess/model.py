@@ -1,0 +1,34 @@
+"""Triton adapter: validates a public request into GenerateParams (CPU, no torch)."""
+
+import os
+import site
+
+for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    if _p:
+        site.addsitedir(_p)  # the stub's interpreter does not read PYTHONPATH itself
+
+import time  # noqa: E402
+
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+from backends.core.contract import PREPROCESS  # noqa: E402
+from backends.core.params import InvalidInput, Limits, validate  # noqa: E402
+from backends.triton_adapter import error, parameters, params_tensor, read_inputs, scalar, setup_logging  # noqa: E402
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        setup_logging()
+        self.limits = Limits.from_json(parameters(args)["limits"])
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            raw = {name: scalar(value) for name, value in read_inputs(request, PREPROCESS).items()}
+            try:
+                params = validate(raw, self.limits).with_trace(received_at=time.time())
+            except InvalidInput as exc:
+                responses.append(error(str(exc)))
+                continue
+            responses.append(pb_utils.InferenceResponse([params_tensor(params)]))
+        return responses

@@ -1,0 +1,36 @@
+"""Triton adapter: final latents -> uint8 pixels (VAE decode)."""
+
+import os
+import site
+
+for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    if _p:
+        site.addsitedir(_p)  # the stub's interpreter does not read PYTHONPATH itself
+
+import time  # noqa: E402
+
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+from backends.core.vae_decoding import LatentDecoder  # noqa: E402
+from backends.triton_adapter import (  # noqa: E402
+    artifact_folder, error, params_tensor, placement, read_params, setup_logging)
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        setup_logging()
+        self.decoder = LatentDecoder(artifact_folder(args), placement(args))
+
+    def execute(self, requests):
+        responses = []
+        for request in requests:
+            try:
+                params = read_params(request)
+                start = time.perf_counter()
+                pixels = self.decoder.decode(pb_utils.get_input_tensor_by_name(request, "latents").as_numpy())
+                params = params.with_trace(vae_decoder_s=time.perf_counter() - start)
+            except Exception as exc:
+                responses.append(error(f"vae decoder: {exc}"))
+                continue
+            responses.append(pb_utils.InferenceResponse([params_tensor(params), pb_utils.Tensor("pixels", pixels)]))
+        return responses

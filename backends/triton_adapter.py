@@ -1,0 +1,98 @@
+"""Helpers shared by the Triton adapters (backends/easel_*/model.py): tensors in and out.
+
+Only the adapters import this module; the core (backends/core) never sees Triton types.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+from backends.core.artifacts import Placement
+from backends.core.contract import ModelDecl
+from backends.core.params import GenerateParams
+
+
+class TritonLogHandler(logging.Handler):
+    """Routes the core's `logging` records into Triton's log."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        msg = self.format(record)
+        if record.levelno >= logging.ERROR:
+            pb_utils.Logger.log_error(msg)
+        elif record.levelno >= logging.WARNING:
+            pb_utils.Logger.log_warn(msg)
+        else:
+            pb_utils.Logger.log_info(msg)
+
+
+def setup_logging() -> None:
+    root = logging.getLogger("backends")
+    if not any(isinstance(h, TritonLogHandler) for h in root.handlers):
+        handler = TritonLogHandler()
+        handler.setFormatter(logging.Formatter("%(name)s: %(message)s"))
+        root.addHandler(handler)
+        root.setLevel(logging.INFO)
+
+
+def parameters(args: dict[str, Any]) -> dict[str, str]:
+    config = json.loads(args["model_config"])
+    return {k: v["string_value"] for k, v in config.get("parameters", {}).items()}
+
+
+def version_folder(args: dict[str, Any]) -> Path:
+    return Path(args["model_repository"]) / str(args["model_version"])
+
+
+def artifact_folder(args: dict[str, Any]) -> Path:
+    """The folder holding this model's weights: its own version folder, or the one another model
+    of the repository exported (parameter `artifacts`, relative to the repository root, so that
+    several denoisers share one copy of the UNet). The path comes from the config, never a request."""
+    rel = parameters(args).get("artifacts")
+    if not rel:
+        return version_folder(args)
+    root = Path(args["model_repository"]).parent.resolve()
+    folder = (root / rel).resolve()
+    if root not in folder.parents:
+        raise ValueError(f"parameter artifacts={rel!r} leaves the model repository")
+    return folder
+
+
+def placement(args: dict[str, Any]) -> Placement:
+    dtype = parameters(args).get("dtype", "fp32")
+    if args.get("model_instance_kind") == "GPU":
+        return Placement(device=f"cuda:{args['model_instance_device_id']}", dtype=dtype)
+    return Placement(device="cpu", dtype=dtype)
+
+
+def read_inputs(request, decl: ModelDecl) -> dict[str, np.ndarray | None]:
+    out = {}
+    for t in decl.inputs:
+        tensor = pb_utils.get_input_tensor_by_name(request, t.name)
+        out[t.name] = None if tensor is None else tensor.as_numpy()
+    return out
+
+
+def scalar(array: np.ndarray | None):
+    """The one element of a [1]-shaped input (bytes for BYTES), or None when absent."""
+    if array is None:
+        return None
+    value = array.reshape(-1)[0]
+    return value if isinstance(value, bytes) else value.item()
+
+
+def read_params(request) -> GenerateParams:
+    return GenerateParams.from_json(scalar(pb_utils.get_input_tensor_by_name(request, "params").as_numpy()))
+
+
+def params_tensor(params: GenerateParams):
+    return pb_utils.Tensor("params", np.array([params.to_json()], dtype=np.object_))
+
+
+def error(message: str):
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))

@@ -1,0 +1,67 @@
+"""The build-time half of the `easel` command: `easel tiny` and `easel export`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+
+def _gpus(text: str) -> tuple[int, ...]:
+    try:
+        gpus = tuple(int(g) for g in text.split(",") if g.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--gpus: {text!r} is not a comma-separated list of GPU ids") from None
+    if not gpus or any(g < 0 for g in gpus) or len(set(gpus)) != len(gpus):
+        raise argparse.ArgumentTypeError(f"--gpus: {text!r} must name distinct non-negative GPU ids")
+    return gpus
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="easel")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    tiny = sub.add_parser("tiny", help="write a tiny random SDXL-architecture pipeline (diffusers layout)")
+    tiny.add_argument("dir")
+    tiny.add_argument("--seed", type=int, default=0)
+    tiny.add_argument("--variant", default="default", help="default | alt (another configuration, for tests)")
+
+    exp = sub.add_parser("export", help="diffusers SDXL folder -> Triton model repository")
+    exp.add_argument("--model", required=True, help="a diffusers StableDiffusionXLPipeline folder")
+    exp.add_argument("--out", required=True, help="the model repository to write")
+    exp.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    exp.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default=None,
+                     help="default: fp32 on cpu, fp16 on cuda")
+    exp.add_argument("--gpus", type=_gpus, default=(0,), help="one denoiser per GPU id, e.g. 0,1")
+    exp.add_argument("--max-size", type=int, default=2048, help="largest width/height a request may ask for")
+    exp.add_argument("--max-steps", type=int, default=150)
+    exp.add_argument("--default-steps", type=int, default=30)
+    exp.add_argument("--generate-instances", type=int, default=8,
+                     help="requests that can be in the denoisers at once")
+    exp.add_argument("--max-batch-rows", type=int, default=16, help="UNet batch rows per denoising step")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
+    args = parser().parse_args(argv)
+    if args.command == "tiny":
+        from .tiny import write_tiny_pipeline
+
+        path = write_tiny_pipeline(args.dir, seed=args.seed, variant=args.variant)
+        logging.getLogger("easel").info("wrote %s", path)
+        return 0
+    if args.command == "export":
+        from .repository import ExportOptions, export_repository
+
+        options = ExportOptions(device=args.device, dtype=args.dtype, gpus=args.gpus, max_size=args.max_size,
+                                max_steps=args.max_steps, default_steps=args.default_steps,
+                                generate_instances=args.generate_instances, max_batch_rows=args.max_batch_rows,
+                                max_running=args.max_batch_rows)
+        export_repository(args.model, args.out, options)
+        return 0
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,147 @@
+"""A diffusers SDXL folder -> a complete Triton model repository.
+
+Loads the pipeline with diffusers' own loaders (safetensors only), splits the UNet at the mid
+block, writes each component's artifacts where its Triton model reads them
+(backends/core/artifacts.py) and every config.pbtxt (export/triton_config.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+
+from backends.core import contract
+from backends.core.artifacts import DECODER_FILE, DTYPES, ENCODER_FILE, UNET_DIR
+from backends.core.denoise_engine import VAE_SCALE_FACTOR_FILE
+from backends.core.params import Limits
+from backends.core.text_encoding import OPTIONS_FILE
+
+from .triton_config import Instances, ensemble, python_model
+
+log = logging.getLogger(__name__)
+
+VERSION = "1"
+
+
+@dataclass(frozen=True)
+class ExportOptions:
+    device: str = "cpu"  # where the repository's engines run: cpu or cuda
+    dtype: str | None = None  # fp32 | fp16 | bf16; default fp32 on cpu, fp16 on cuda
+    gpus: tuple[int, ...] = (0,)  # one denoiser per GPU (cuda only)
+    max_size: int = 2048
+    max_steps: int = 150
+    default_steps: int = 30
+    generate_instances: int = 8  # requests that can wait on denoisers at once
+    max_running: int = 16
+    max_batch_rows: int = 16
+
+    def __post_init__(self):
+        if self.device not in ("cpu", "cuda"):
+            raise ValueError(f"device: {self.device!r} is not cpu or cuda")
+        if self.dtype is not None and self.dtype not in DTYPES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.device == "cuda" and not self.gpus:
+            raise ValueError("gpus: at least one GPU id is needed with --device cuda")
+
+    @property
+    def resolved_dtype(self) -> str:
+        return self.dtype or ("fp16" if self.device == "cuda" else "fp32")
+
+    def denoiser_names(self) -> list[str]:
+        return [f"denoiser_gpu{g}" for g in self.gpus] if self.device == "cuda" else ["denoiser"]
+
+    def instances(self, gpu: int | None = None, count: int = 1) -> Instances:
+        if self.device == "cpu":
+            return Instances("KIND_CPU", count)
+        return Instances("KIND_GPU", count, (self.gpus[0] if gpu is None else gpu,))
+
+
+def _fresh_model_dir(repo: Path, name: str) -> Path:
+    model = repo / name
+    if model.exists():
+        shutil.rmtree(model)
+    (model / VERSION).mkdir(parents=True)
+    return model
+
+
+def export_repository(model_dir: str | Path, out_dir: str | Path, options: ExportOptions = ExportOptions()) -> Path:
+    from diffusers import StableDiffusionXLPipeline
+    from safetensors.torch import save_file
+
+    from backends.core.unet_split import split_unet
+
+    model_dir, repo = Path(model_dir), Path(out_dir)
+    repo.mkdir(parents=True, exist_ok=True)
+    dtype = options.resolved_dtype
+    log.info("loading %s (%s)", model_dir, dtype)
+    pipe = StableDiffusionXLPipeline.from_pretrained(model_dir, torch_dtype=DTYPES[dtype], use_safetensors=True)
+    vae_scale_factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+    default_size = pipe.unet.config.sample_size * vae_scale_factor
+    limits = Limits(default_width=default_size, default_height=default_size,
+                    max_width=max(options.max_size, default_size), max_height=max(options.max_size, default_size),
+                    size_multiple=vae_scale_factor, default_steps=options.default_steps, max_steps=options.max_steps)
+    engine_params = {"dtype": dtype}
+
+    # text_encoder: both CLIP encoders and tokenizers, as transformers folders.
+    model = _fresh_model_dir(repo, "text_encoder")
+    for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
+        component = getattr(pipe, name)
+        kwargs = {} if name.startswith("tokenizer") else {"safe_serialization": True}
+        component.save_pretrained(model / VERSION / name, **kwargs)
+    (model / VERSION / OPTIONS_FILE).write_text(
+        json.dumps({"force_zeros_for_empty_prompt": bool(pipe.config.force_zeros_for_empty_prompt)}))
+    (model / "config.pbtxt").write_text(python_model(
+        "text_encoder", "easel_text_encoder", contract.TEXT_ENCODER, options.instances(), engine_params))
+
+    # denoisers: the UNet's two halves once, in the first denoiser's folder; the others point there.
+    names = options.denoiser_names()
+    shared = f"{names[0]}/{VERSION}"
+    for index, name in enumerate(names):
+        model = _fresh_model_dir(repo, name)
+        if index == 0:
+            unet_dir = model / VERSION / UNET_DIR
+            unet_dir.mkdir()
+            pipe.unet.save_config(unet_dir)
+            encoder, decoder = split_unet(pipe.unet)
+            for half, file in ((encoder, ENCODER_FILE), (decoder, DECODER_FILE)):
+                state = {k: v.detach().contiguous() for k, v in half.state_dict().items()}
+                save_file(state, str(unet_dir / file))
+            pipe.scheduler.save_pretrained(model / VERSION / "scheduler")
+            (model / VERSION / VAE_SCALE_FACTOR_FILE).write_text(json.dumps({"vae_scale_factor": vae_scale_factor}))
+        gpu = options.gpus[index] if options.device == "cuda" else None
+        params = {**engine_params, "max_running": str(options.max_running),
+                  "max_batch_rows": str(options.max_batch_rows)}
+        if index:
+            params["artifacts"] = shared
+        (model / "config.pbtxt").write_text(python_model(
+            name, "easel_denoiser", contract.DENOISER, options.instances(gpu), params, decoupled=True))
+
+    model = _fresh_model_dir(repo, "vae_decoder")
+    pipe.vae.save_pretrained(model / VERSION / "vae", safe_serialization=True)
+    (model / "config.pbtxt").write_text(python_model(
+        "vae_decoder", "easel_vae_decoder", contract.VAE_DECODER, options.instances(), engine_params))
+
+    # CPU-only steps: validation, the BLS hand-off to the denoisers, PNG encoding.
+    cpu = Instances("KIND_CPU", 1)
+    model = _fresh_model_dir(repo, "preprocess")
+    (model / "config.pbtxt").write_text(python_model(
+        "preprocess", "easel_preprocess", contract.PREPROCESS, cpu, {"limits": limits.to_json()}))
+    model = _fresh_model_dir(repo, "generate")
+    (model / "config.pbtxt").write_text(python_model(
+        "generate", "easel_generate", contract.GENERATE, Instances("KIND_CPU", options.generate_instances),
+        {"denoisers": ",".join(names)}))
+    model = _fresh_model_dir(repo, "postprocess")
+    (model / "config.pbtxt").write_text(python_model(
+        "postprocess", "easel_postprocess", contract.POSTPROCESS, cpu))
+
+    model = _fresh_model_dir(repo, "easel")
+    (model / "config.pbtxt").write_text(ensemble("easel"))
+    (repo / "easel_export.json").write_text(json.dumps(
+        {"source": str(model_dir.resolve()), "options": dataclasses.asdict(options), "limits": dataclasses.asdict(limits)},
+        indent=2))
+    log.info("wrote %s", repo)
+    return repo

@@ -1,0 +1,87 @@
+"""config.pbtxt text for each model of the repository, from the declarations in backends.core.contract."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from backends.core.contract import PIPELINE, PUBLIC, ModelDecl, TensorDecl
+
+
+@dataclass(frozen=True)
+class Instances:
+    kind: str = "KIND_CPU"  # or KIND_GPU
+    count: int = 1
+    gpus: tuple[int, ...] = ()
+
+    def pbtxt(self) -> str:
+        gpus = f" gpus: [ {', '.join(map(str, self.gpus))} ]" if self.gpus else ""
+        return f"instance_group [ {{ kind: {self.kind} count: {self.count}{gpus} }} ]"
+
+
+def _tensor(t: TensorDecl) -> str:
+    dtype = "STRING" if t.dtype == "BYTES" else t.dtype  # the protocol's BYTES is TYPE_STRING in configs
+    optional = " optional: true" if t.optional else ""
+    return f'  {{ name: "{t.name}" data_type: TYPE_{dtype} dims: [ {", ".join(map(str, t.dims))} ]{optional} }}'
+
+
+def _tensors(kind: str, tensors) -> str:
+    return f"{kind} [\n" + ",\n".join(_tensor(t) for t in tensors) + "\n]"
+
+
+def _parameters(params: dict[str, str]) -> str:
+    return "".join(
+        f'parameters {{ key: "{k}" value {{ string_value: {_quote(v)} }} }}\n' for k, v in sorted(params.items()))
+
+
+def _quote(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+
+
+def python_model(name: str, backend: str, decl: ModelDecl, instances: Instances,
+                 params: dict[str, str] | None = None, decoupled: bool = False) -> str:
+    """A model served by one of our Python-based backends (backends/<backend>/model.py)."""
+    parts = [
+        f'name: "{name}"',
+        f'backend: "{backend}"',
+        "max_batch_size: 0",
+        _tensors("input", decl.inputs),
+        _tensors("output", decl.outputs),
+        instances.pbtxt(),
+    ]
+    if decoupled:
+        parts.append("model_transaction_policy { decoupled: true }")
+    return "\n".join(parts) + "\n" + _parameters(params or {})
+
+
+@dataclass
+class _Wiring:
+    """Ensemble tensor names: each model output gets a fresh name that later steps read."""
+
+    latest: dict[str, str] = field(default_factory=dict)
+
+    def source(self, name: str) -> str:
+        return self.latest.get(name, name)  # public inputs keep their own names
+
+
+def ensemble(name: str = "easel") -> str:
+    wiring = _Wiring()
+    steps = []
+    for index, (model, decl) in enumerate(PIPELINE):
+        inputs = "\n".join(
+            f'      input_map {{ key: "{t.name}" value: "{wiring.source(t.name)}" }}' for t in decl.inputs)
+        outputs = []
+        for t in decl.outputs:
+            last = index == len(PIPELINE) - 1
+            target = t.name if last else f"{t.name}_{index}"
+            outputs.append(f'      output_map {{ key: "{t.name}" value: "{target}" }}')
+            wiring.latest[t.name] = target
+        steps.append(f'    {{\n      model_name: "{model}"\n      model_version: -1\n{inputs}\n'
+                     + "\n".join(outputs) + "\n    }")
+    return "\n".join([
+        f'name: "{name}"',
+        'platform: "ensemble"',
+        "max_batch_size: 0",
+        _tensors("input", PUBLIC.inputs),
+        _tensors("output", PUBLIC.outputs),
+        "ensemble_scheduling {\n  step [\n" + ",\n".join(steps) + "\n  ]\n}",
+    ]) + "\n"
