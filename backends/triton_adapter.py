@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backends.core.artifacts import Placement
+from backends.core.placement import Placement
 from backends.core.contract import ModelDecl
 from backends.core.params import GenerateParams
 

@@ -15,7 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from backends.core import contract
-from backends.core.artifacts import DECODER_FILE, DTYPES, ENCODER_FILE, UNET_DIR
+from backends.core.artifacts import DECODER_FILE, ENCODER_FILE, UNET_DIR
+from backends.core.placement import DTYPE_NAMES, Placement
 from backends.core.denoise_engine import VAE_SCALE_FACTOR_FILE
 from backends.core.params import Limits
 from backends.core.text_encoding import OPTIONS_FILE
@@ -42,8 +43,8 @@ class ExportOptions:
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
             raise ValueError(f"device: {self.device!r} is not cpu or cuda")
-        if self.dtype is not None and self.dtype not in DTYPES:
-            raise ValueError(f"dtype: {self.dtype!r} is not one of {sorted(DTYPES)}")
+        if self.dtype is not None and self.dtype not in DTYPE_NAMES:
+            raise ValueError(f"dtype: {self.dtype!r} is not one of {list(DTYPE_NAMES)}")
         if self.device == "cuda" and not self.gpus:
             raise ValueError("gpus: at least one GPU id is needed with --device cuda")
 
@@ -78,7 +79,7 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
     repo.mkdir(parents=True, exist_ok=True)
     dtype = options.resolved_dtype
     log.info("loading %s (%s)", model_dir, dtype)
-    pipe = StableDiffusionXLPipeline.from_pretrained(model_dir, torch_dtype=DTYPES[dtype], use_safetensors=True)
+    pipe = StableDiffusionXLPipeline.from_pretrained(model_dir, dtype=Placement(dtype=dtype).torch_dtype, use_safetensors=True)
     vae_scale_factor = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
     default_size = pipe.unet.config.sample_size * vae_scale_factor
     limits = Limits(default_width=default_size, default_height=default_size,

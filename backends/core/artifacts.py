@@ -10,31 +10,16 @@ Only safetensors are ever read; nothing here unpickles.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 from safetensors.torch import load_file
 
-DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+from .placement import Placement
 
 UNET_DIR = "unet"
 ENCODER_FILE = "encoder.safetensors"
 DECODER_FILE = "decoder.safetensors"
-
-
-@dataclass(frozen=True)
-class Placement:
-    device: str = "cpu"
-    dtype: str = "fp32"
-
-    def __post_init__(self):
-        if self.dtype not in DTYPES:
-            raise ValueError(f"dtype: {self.dtype!r} is not one of {sorted(DTYPES)}")
-
-    @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
 
 
 def load_unet_halves(folder: Path, placement: Placement):

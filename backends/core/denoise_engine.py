@@ -19,7 +19,8 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from .artifacts import Placement, load_unet_halves
+from .artifacts import load_unet_halves
+from .placement import Placement
 from .params import GenerateParams
 from .schedulers import make_scheduler
 

@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .artifacts import Placement
+from .placement import Placement
 from .params import GenerateParams
 
 OPTIONS_FILE = "text_options.json"
@@ -30,8 +30,8 @@ class PromptEncoder:
         self.tokenizers = [CLIPTokenizer.from_pretrained(folder / "tokenizer"),
                            CLIPTokenizer.from_pretrained(folder / "tokenizer_2")]
         self.encoders = [
-            CLIPTextModel.from_pretrained(folder / "text_encoder", torch_dtype=dtype, use_safetensors=True),
-            CLIPTextModelWithProjection.from_pretrained(folder / "text_encoder_2", torch_dtype=dtype,
+            CLIPTextModel.from_pretrained(folder / "text_encoder", dtype=dtype, use_safetensors=True),
+            CLIPTextModelWithProjection.from_pretrained(folder / "text_encoder_2", dtype=dtype,
                                                         use_safetensors=True),
         ]
         for enc in self.encoders:

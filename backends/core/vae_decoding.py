@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .artifacts import Placement
+from .placement import Placement
 
 
 class LatentDecoder:

@@ -1,0 +1,19 @@
+"""Shared fixtures: tiny models written by our own code, exported repositories, real servers."""
+
+from __future__ import annotations
+
+import pytest
+
+
+@pytest.fixture(scope="session")
+def tiny_model(tmp_path_factory):
+    from export.tiny import write_tiny_pipeline
+
+    return write_tiny_pipeline(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+
+
+@pytest.fixture(scope="session")
+def alt_model(tmp_path_factory):
+    from export.tiny import write_tiny_pipeline
+
+    return write_tiny_pipeline(tmp_path_factory.mktemp("models") / "alt", seed=3, variant="alt")

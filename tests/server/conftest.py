@@ -1,0 +1,43 @@
+"""A real tritonserver on an exported tiny repository, shared by the server tests."""
+
+from __future__ import annotations
+
+import pytest
+
+from clients.client import EaselClient
+from clients.serve import TritonServer
+from export.repository import ExportOptions, export_repository
+
+# Small enough for two CPU cores, large enough that the limits tests have room.
+OPTIONS = ExportOptions(device="cpu", max_size=256, max_steps=50, default_steps=4)
+
+
+def start_server(model, repo):
+    export_repository(model, repo, OPTIONS)
+    return TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=300).start()
+
+
+@pytest.fixture(scope="session")
+def tiny_repo(tiny_model, tmp_path_factory):
+    return tmp_path_factory.mktemp("repos") / "tiny"
+
+
+@pytest.fixture(scope="session")
+def server(tiny_model, tiny_repo):
+    srv = start_server(tiny_model, tiny_repo)
+    srv.wait_ready()
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture(params=["http", "grpc"])
+def client(request, server):
+    url = server.url_http if request.param == "http" else server.url_grpc
+    with EaselClient(url, protocol=request.param) as c:
+        yield c
+
+
+@pytest.fixture
+def http_client(server):
+    with EaselClient(server.url_http, protocol="http") as c:
+        yield c
