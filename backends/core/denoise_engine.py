@@ -50,6 +50,7 @@ class RequestState:
     time_ids: torch.Tensor
     step_kwargs: dict[str, Any] = field(default_factory=dict)
     index: int = 0
+    max_batch: int = 1  # most requests it shared one step with (itself included)
 
     @property
     def rows(self) -> int:
@@ -122,6 +123,7 @@ class TorchDenoiser:
             t = s.timesteps[s.index]
             s.latents = s.scheduler.step(pred, t, s.latents, **s.step_kwargs, return_dict=False)[0]
             s.index += 1
+            s.max_batch = max(s.max_batch, len(states))
 
     @staticmethod
     def result(state: RequestState) -> np.ndarray:

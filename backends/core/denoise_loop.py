@@ -35,6 +35,7 @@ class DenoiseResult:
     queue_s: float  # from arrival to its first step
     denoise_s: float  # from its first step to its last
     steps: int
+    max_batch: int = 1
 
 
 class DenoiseLoop:
@@ -119,4 +120,4 @@ class DenoiseLoop:
         first = seq.first_step_at if seq.first_step_at is not None else now
         latents = self.engine.result(state) if seq.status is Status.FINISHED else None
         self.on_done(DenoiseResult(seq.request_id, latents, seq.error, first - seq.arrival, now - first,
-                                   seq.steps_done))
+                                   seq.steps_done, state.max_batch))

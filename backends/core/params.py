@@ -110,10 +110,10 @@ def _size(raw: Mapping[str, Any], name: str, default: int, maximum: int, limits:
     if value is None:
         return default
     value = int(value)
-    if value < limits.min_size or value > maximum:
-        raise InvalidInput(name, f"{value} is outside [{limits.min_size}, {maximum}]")
     if value % limits.size_multiple:
         raise InvalidInput(name, f"{value} is not a multiple of {limits.size_multiple}")
+    if value < limits.min_size or value > maximum:
+        raise InvalidInput(name, f"{value} is outside [{limits.min_size}, {maximum}]")
     return value
 
 

@@ -65,7 +65,8 @@ class TritonPythonModel:
             if result.error is not None:
                 sender.send(error(f"denoiser: {result.error}"), flags=FINAL)
                 continue
-            params = params.with_trace(queue_s=result.queue_s, denoise_s=result.denoise_s)
+            params = params.with_trace(queue_s=result.queue_s, denoise_s=result.denoise_s,
+                                       max_batch=result.max_batch)
             sender.send(pb_utils.InferenceResponse([
                 params_tensor(params), pb_utils.Tensor("latents", np.ascontiguousarray(result.latents))]),
                 flags=FINAL)
