@@ -142,7 +142,7 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
     model = _fresh_model_dir(repo, "easel")
     (model / "config.pbtxt").write_text(ensemble("easel"))
     (repo / "easel_export.json").write_text(json.dumps(
-        {"source": str(model_dir.resolve()), "options": dataclasses.asdict(options), "limits": dataclasses.asdict(limits)},
+        {"source": str(model_dir), "options": dataclasses.asdict(options), "limits": dataclasses.asdict(limits)},
         indent=2))
     log.info("wrote %s", repo)
     return repo

@@ -1,0 +1,41 @@
+# Two commands on a fresh machine: `make serve` (set up, build the tiny demo models, export a
+# model repository, start tritonserver on 8000/8001/8002) and `make test` (the whole suite; CI).
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+EASEL := $(VENV)/bin/easel
+STAMP := $(VENV)/.installed
+DEMO := demo/tiny
+REPO := model_repository
+
+.PHONY: setup system-deps serve demo test clean
+
+setup: $(STAMP)
+
+# perf_analyzer (tritonclient 2.50) links Debian's libb64; the Python backend stub links the
+# system libpython of the running Python version.
+system-deps:
+	@ldconfig -p | grep -q 'libb64.so.0d' && ldconfig -p | grep -q "libpython$$($(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")').so.1" || \
+	  { apt-get update -qq && apt-get install -y -qq libb64-0d "libpython$$($(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"; }
+
+$(STAMP): requirements.txt pyproject.toml | system-deps
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps -e .
+	touch $(STAMP)
+
+$(DEMO)/model_index.json: $(STAMP)
+	rm -rf $(DEMO) && $(EASEL) tiny $(DEMO)
+
+demo: $(DEMO)/model_index.json
+	$(EASEL) export --model $(DEMO) --out $(REPO)
+
+serve: demo
+	$(EASEL) serve --repo $(REPO)
+
+test: $(STAMP)
+	$(PY) -m pytest -q
+
+clean:
+	rm -rf $(VENV) demo build

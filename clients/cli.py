@@ -1,0 +1,226 @@
+"""`easel` command line: serve a model repository, generate images, export models.
+
+Kept free of torch/diffusers: `tiny`, `export` and `profile-lora` are forwarded
+to `export.cli`, imported only when one of them runs.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import logging
+import re
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Sequence
+
+EXPORT_COMMANDS = {
+    "tiny": "build the tiny random SDXL demo pipeline (CPU)",
+    "export": "export a diffusers pipeline into a Triton model repository",
+    "profile-lora": "measure LoRA adapter cost",
+}
+
+
+def parse_size(text: str) -> tuple[int, int]:
+    m = re.fullmatch(r"\s*(\d+)\s*[xX]\s*(\d+)\s*", text)
+    if not m:
+        raise argparse.ArgumentTypeError(
+            f"invalid size {text!r}: expected WIDTHxHEIGHT, e.g. 1024x1024")
+    width, height = int(m[1]), int(m[2])
+    if width <= 0 or height <= 0:
+        raise argparse.ArgumentTypeError(f"invalid size {text!r}: both sides must be > 0")
+    return width, height
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="easel",
+        description="Serve SDXL text-to-image on NVIDIA Triton and talk to it.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+
+    s = sub.add_parser(
+        "serve", help="run tritonserver on a model repository",
+        description="Start tritonserver on REPO and wait until every model is ready. "
+                    "In the foreground (default) the server log streams to stderr and "
+                    "Ctrl-C stops the server; --detach returns once ready and prints "
+                    "EASEL_SERVER_PID=... / EASEL_SERVER_LOG=... lines.")
+    s.add_argument("--repo", required=True, type=Path, help="Triton model repository")
+    s.add_argument("--http-port", type=int, default=8000, help="default: %(default)s")
+    s.add_argument("--grpc-port", type=int, default=8001, help="default: %(default)s")
+    s.add_argument("--metrics-port", type=int, default=8002, help="default: %(default)s")
+    s.add_argument("--detach", action="store_true",
+                   help="return once ready and leave the server running")
+    s.add_argument("--pid-file", type=Path, help="with --detach: write the server pid here")
+    s.add_argument("--timeout", type=float, default=300.0, metavar="S",
+                   help="seconds to wait for readiness before giving up (default: %(default)s)")
+    s.add_argument("--log-verbose", type=int, default=0, metavar="N",
+                   help="tritonserver --log-verbose level (default: %(default)s)")
+
+    g = sub.add_parser(
+        "generate", help="generate one image from a prompt",
+        description="Send one text-to-image request to the `easel` model and write the PNG. "
+                    "Options left out use the deployment's defaults.")
+    g.add_argument("prompt", help="text prompt")
+    g.add_argument("-o", "--output", required=True, type=Path, help="where to write the PNG")
+    g.add_argument("--negative", metavar="TEXT", help="negative prompt")
+    g.add_argument("--url", metavar="HOST:PORT",
+                   help="server address (default: localhost:8000 for http, localhost:8001 for grpc)")
+    g.add_argument("--protocol", choices=("http", "grpc"), default="http",
+                   help="default: %(default)s")
+    g.add_argument("--model", default="easel", help="model name (default: %(default)s)")
+    g.add_argument("--size", type=parse_size, metavar="WxH", help="image size, e.g. 1024x1024")
+    g.add_argument("--steps", type=int, help="denoising steps")
+    g.add_argument("--seed", type=int, help="random seed (default: random; see info)")
+    g.add_argument("--guidance", type=float, metavar="G", help="classifier-free guidance scale")
+    g.add_argument("--scheduler", metavar="NAME", help="sampler, e.g. euler, euler_a, ddim")
+    g.add_argument("--timeout", type=float, metavar="S", help="request timeout in seconds")
+
+    for name, text in EXPORT_COMMANDS.items():
+        # Parsed by export.cli; registered here only so `easel --help` lists them.
+        sub.add_parser(name, help=text, add_help=False)
+    return parser
+
+
+class Spinner:
+    """Elapsed-time spinner on stderr; silent when stderr is not a terminal."""
+
+    FRAMES = "|/-\\"
+
+    def __init__(self, label: str, stream=None):
+        self.label = label
+        self.stream = stream or sys.stderr
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.start_time = 0.0
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start_time
+
+    def __enter__(self) -> "Spinner":
+        self.start_time = time.monotonic()
+        if self.stream.isatty():
+            self._thread = threading.Thread(target=self._run, daemon=True)
+            self._thread.start()
+        else:
+            print(f"{self.label}...", file=self.stream, flush=True)
+        return self
+
+    def _run(self) -> None:
+        i = 0
+        while not self._stop.wait(0.1):
+            frame = self.FRAMES[i % len(self.FRAMES)]
+            self.stream.write(f"\r{frame} {self.label} {self.elapsed:5.1f}s")
+            self.stream.flush()
+            i += 1
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+            self.stream.write("\r\033[K")
+            self.stream.flush()
+
+
+def _seconds(value) -> str:
+    return f"{value:.2f}s" if isinstance(value, (int, float)) else "?"
+
+
+def format_info(info: dict, elapsed: float) -> str:
+    """Two lines: the parameters used, then wall/stage timings from `info`."""
+    params = " ".join(f"{k}={info[k]}" for k in ("seed", "steps", "scheduler",
+                                                  "guidance_scale") if k in info)
+    if "width" in info and "height" in info:
+        params += f" size={info['width']}x{info['height']}"
+    stages = info.get("stages_s") or {}
+    timing = f"client {elapsed:.2f}s"
+    if info.get("total_s") is not None:
+        timing += f", server {_seconds(info['total_s'])}"
+    if info.get("queue_s") is not None:
+        timing += f", queue {_seconds(info['queue_s'])}"
+    if isinstance(stages, dict) and stages:
+        parts = [f"{k.removesuffix('_s')} {_seconds(v)}" for k, v in stages.items()]
+        timing += " | " + ", ".join(parts)
+    return (params + "\n" if params else "") + timing
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from clients.serve import serve
+
+    if args.pid_file and not args.detach:
+        print("easel serve: --pid-file needs --detach", file=sys.stderr)
+        return 2
+    try:
+        return serve(args.repo, args.http_port, args.grpc_port, args.metrics_port,
+                     args.log_verbose, foreground=not args.detach,
+                     timeout=args.timeout, pid_file=args.pid_file)
+    except FileNotFoundError as e:
+        print(f"easel serve: {e}", file=sys.stderr)
+        return 1
+
+
+def generate_kwargs(args: argparse.Namespace) -> dict:
+    """EaselClient.generate keyword arguments from parsed `generate` options."""
+    width, height = args.size if args.size else (None, None)
+    return dict(prompt=args.prompt, negative_prompt=args.negative, width=width,
+                height=height, steps=args.steps, guidance_scale=args.guidance,
+                seed=args.seed, scheduler=args.scheduler, timeout_s=args.timeout)
+
+
+def cmd_generate(args: argparse.Namespace) -> int:
+    from clients.client import EaselClient, EaselError
+
+    try:
+        with EaselClient(args.url, args.protocol, args.model) as client:
+            with Spinner(f"generating on {client.url} ({args.protocol})") as spin:
+                result = client.generate(**generate_kwargs(args))
+    except EaselError as e:
+        print(f"easel generate: server error: {e}", file=sys.stderr)
+        return 1
+    args.output.parent.mkdir(parents=True, exist_ok=True)
+    result.save(args.output)
+    print(f"wrote {args.output} ({len(result.png) / 1024:.1f} kB)", file=sys.stderr)
+    print(format_info(result.info, spin.elapsed), file=sys.stderr)
+    return 0
+
+
+def forward_to_export(command: str, rest: Sequence[str]) -> int:
+    try:
+        export_cli = importlib.import_module("export.cli")
+    except ModuleNotFoundError as e:
+        if e.name not in ("export.cli", "export"):
+            raise  # export.cli exists but a dependency of it is missing
+        print(f"easel {command}: export.cli is not available in this checkout "
+              "(the export tooling is not installed yet)", file=sys.stderr)
+        return 1
+    code = export_cli.main([command, *rest])
+    return int(code or 0)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    # Export subcommands own their options; forward them untouched.
+    first = next((a for a in argv if not a.startswith("-")), None)
+    if first in EXPORT_COMMANDS:
+        i = argv.index(first)
+        if all(a in ("-v", "--verbose") for a in argv[:i]):
+            logging.basicConfig(level=logging.DEBUG if argv[:i] else logging.INFO,
+                                format="%(levelname)s %(name)s: %(message)s")
+            return forward_to_export(first, argv[i + 1:])
+
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.command == "serve":
+        return cmd_serve(args)
+    if args.command == "generate":
+        return cmd_generate(args)
+    raise AssertionError(args.command)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

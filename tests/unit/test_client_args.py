@@ -1,0 +1,122 @@
+"""CLI parsing and request building, without a server."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from clients import cli
+from clients.client import (EaselClient, EaselError, GenerateRequest, build_inputs,
+                            parse_result)
+
+
+def _generate_args(*extra: str):
+    return cli.build_parser().parse_args(["generate", "a cat", "-o", "out.png", *extra])
+
+
+def test_size_parses():
+    args = _generate_args("--size", "64x96")
+    assert args.size == (64, 96)
+    kw = cli.generate_kwargs(args)
+    assert (kw["width"], kw["height"]) == (64, 96)
+
+
+@pytest.mark.parametrize("bad", ["64", "64x", "x96", "64*96", "-64x96", "0x64", "axb"])
+def test_bad_size_message(bad, capsys):
+    with pytest.raises(SystemExit) as info:
+        _generate_args(f"--size={bad}")
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--size" in err and "WIDTHxHEIGHT" in err or "must be > 0" in err
+
+
+def test_generate_defaults_leave_options_unset():
+    args = _generate_args()
+    assert args.protocol == "http" and args.url is None and args.model == "easel"
+    kw = cli.generate_kwargs(args)
+    assert kw["prompt"] == "a cat"
+    assert all(kw[k] is None for k in kw if k != "prompt")
+
+
+def test_generate_options():
+    args = _generate_args("--negative", "blurry", "--protocol", "grpc", "--steps", "4",
+                          "--seed", "7", "--guidance", "2.5", "--scheduler", "euler",
+                          "--url", "h:9")
+    kw = cli.generate_kwargs(args)
+    assert kw["negative_prompt"] == "blurry" and kw["steps"] == 4 and kw["seed"] == 7
+    assert kw["guidance_scale"] == 2.5 and kw["scheduler"] == "euler"
+    assert args.protocol == "grpc" and args.url == "h:9"
+
+
+def test_serve_args():
+    args = cli.build_parser().parse_args(
+        ["serve", "--repo", "r", "--http-port", "9000", "--detach", "--timeout", "5"])
+    assert (args.http_port, args.grpc_port, args.metrics_port) == (9000, 8001, 8002)
+    assert args.detach and args.timeout == 5.0 and args.log_verbose == 0
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_only_set_inputs_are_sent(protocol):
+    inputs = build_inputs(GenerateRequest("a cat", seed=3, width=64), protocol)
+    names = [i.name() for i in inputs]
+    assert names == ["prompt", "width", "seed"]
+    assert [i.datatype() for i in inputs] == ["BYTES", "INT32", "INT64"]
+    assert all(list(i.shape()) == [1] for i in inputs)
+
+
+def test_all_inputs_typed():
+    req = GenerateRequest("p", "n", 64, 96, 4, 5.0, 2**40, "euler")
+    inputs = build_inputs(req, "http")
+    assert [(i.name(), i.datatype()) for i in inputs] == [
+        ("prompt", "BYTES"), ("negative_prompt", "BYTES"), ("width", "INT32"),
+        ("height", "INT32"), ("steps", "INT32"), ("guidance_scale", "FP32"),
+        ("seed", "INT64"), ("scheduler", "BYTES")]
+
+
+def test_default_urls():
+    assert EaselClient(protocol="http").url == "localhost:8000"
+    assert EaselClient(protocol="grpc").url == "localhost:8001"
+    with pytest.raises(ValueError):
+        EaselClient(protocol="ftp")
+
+
+def test_unreachable_server_raises_easel_error():
+    with pytest.raises(EaselError):
+        EaselClient("127.0.0.1:1", timeout_s=5).generate("a cat")
+
+
+def test_parse_result():
+    png = b"\x89PNG fake"
+    info = json.dumps({"seed": 1, "stages_s": {"unet_s": 1.5}}).encode()
+    result = parse_result(np.array([png], dtype=np.object_), np.array([info], dtype=np.object_))
+    assert result.png == png and result.info["seed"] == 1
+    text = cli.format_info(result.info, 2.0)
+    assert "seed=1" in text and "unet 1.50s" in text
+
+
+def test_export_commands_forward(monkeypatch):
+    import types
+
+    calls = []
+    fake = types.ModuleType("export.cli")
+    fake.main = lambda argv: calls.append(argv) or 0
+    monkeypatch.setitem(sys.modules, "export.cli", fake)
+    assert cli.main(["tiny", "--out", "x", "--help"]) == 0
+    assert calls == [["tiny", "--out", "x", "--help"]]
+
+
+def test_help_lists_commands():
+    out = subprocess.run([sys.executable, "-m", "clients.cli", "--help"],
+                         capture_output=True, text=True, check=True).stdout
+    for name in ("serve", "generate", "tiny", "export", "profile-lora"):
+        assert name in out
+
+
+def test_cli_imports_no_torch():
+    code = ("import sys, clients.cli, clients.client, clients.serve, clients.tools; "
+            "bad = [m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules]; "
+            "assert not bad, bad")
+    subprocess.run([sys.executable, "-c", code], check=True)
