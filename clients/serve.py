@@ -89,10 +89,11 @@ def find_triton() -> TritonInstall:
             f"incomplete tritonserver at {root}: missing "
             + ", ".join(str(p) for p in missing + ([] if stub else stub_candidates))
         )
-    lib_dirs = [root / "lib"]
+    # The stub and server link libcudart etc. from the pytriton wheel's vendored libs (also
+    # when TRITON_HOME points into an unpacked wheel, as on the GPU machine); their RPATH is
+    # relative, which breaks once the stub is copied.
+    lib_dirs = [root / "lib", root.parent.parent / "nvidia_pytriton.libs"]
     if pytriton is not None:
-        # The stub and server link libcudart etc. from the wheel's vendored libs;
-        # their RPATH is relative, which breaks once the stub is copied.
         lib_dirs.append(pytriton.parent / "nvidia_pytriton.libs")
     return TritonInstall(root, binary, python_backend, stub,
                          tuple(d for d in lib_dirs if d.is_dir()))

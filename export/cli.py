@@ -24,7 +24,10 @@ def parser() -> argparse.ArgumentParser:
     tiny = sub.add_parser("tiny", help="write a tiny random SDXL-architecture pipeline (diffusers layout)")
     tiny.add_argument("dir")
     tiny.add_argument("--seed", type=int, default=0)
-    tiny.add_argument("--variant", default="default", help="default | alt (another configuration, for tests)")
+    tiny.add_argument("--variant", default="default",
+                      help="default | alt (another configuration, for tests) | sdxl (full SDXL sizes, for GPUs)")
+    tiny.add_argument("--device", default="cpu", help="where to initialise the weights (cuda for --variant sdxl)")
+    tiny.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
 
     exp = sub.add_parser("export", help="diffusers SDXL folder -> Triton model repository")
     exp.add_argument("--model", required=True, help="a diffusers StableDiffusionXLPipeline folder")
@@ -48,7 +51,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "tiny":
         from .tiny import write_tiny_pipeline
 
-        path = write_tiny_pipeline(args.dir, seed=args.seed, variant=args.variant)
+        path = write_tiny_pipeline(args.dir, seed=args.seed, variant=args.variant, device=args.device,
+                                   dtype=args.dtype)
         logging.getLogger("easel").info("wrote %s", path)
         return 0
     if args.command == "export":

@@ -25,7 +25,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-VARIANTS = ("default", "alt")
+VARIANTS = ("default", "alt")  # tiny ones, for tests and the demo
+ALL_VARIANTS = (*VARIANTS, "sdxl")
 
 _SDXL_BETAS = dict(
     num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
@@ -61,6 +62,24 @@ _CONFIGS = {
         vae=dict(block_out_channels=(8, 8, 16, 24), layers_per_block=2, norm_num_groups=8,
                  sample_size=96, scaling_factor=0.18215),
         scheduler="DDIMScheduler",
+    ),
+    # Full SDXL-base sizes with random weights: the same code path at real cost, for GPU
+    # benchmarks (no model hub here). ~2.6B UNet parameters: build it with device="cuda".
+    "sdxl": dict(
+        te1=dict(hidden_size=768, num_attention_heads=12, intermediate_size=3072, num_hidden_layers=12,
+                 hidden_act="quick_gelu"),
+        te2=dict(hidden_size=1280, num_attention_heads=20, intermediate_size=5120, projection_dim=1280,
+                 num_hidden_layers=32),
+        unet=dict(
+            sample_size=128, block_out_channels=(320, 640, 1280), layers_per_block=2,
+            down_block_types=("DownBlock2D", "CrossAttnDownBlock2D", "CrossAttnDownBlock2D"),
+            up_block_types=("CrossAttnUpBlock2D", "CrossAttnUpBlock2D", "UpBlock2D"),
+            transformer_layers_per_block=(1, 2, 10), attention_head_dim=(5, 10, 20),
+            norm_num_groups=32, addition_time_embed_dim=256,
+        ),
+        vae=dict(block_out_channels=(128, 256, 512, 512), layers_per_block=2, norm_num_groups=32,
+                 sample_size=1024, scaling_factor=0.13025, force_upcast=True),
+        scheduler="EulerDiscreteScheduler",
     ),
 }
 
@@ -118,21 +137,26 @@ def _write_tokenizer_files(folder: pathlib.Path, vocab: dict[str, int], merges: 
 def _text_config(vocab: dict[str, int], pad_token: str, **kw):
     from transformers import CLIPTextConfig
 
+    kw = {"num_hidden_layers": 2, "hidden_act": "gelu", **kw}
     return CLIPTextConfig(
-        vocab_size=len(vocab), num_hidden_layers=2, hidden_act="gelu", max_position_embeddings=77,
+        vocab_size=len(vocab), max_position_embeddings=77,
         bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"],
         pad_token_id=vocab[pad_token], **kw,
     )
 
 
-def write_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0, variant: str = "default") -> pathlib.Path:
-    """Write a tiny random SDXL pipeline (diffusers layout, safetensors) to ``out_dir``."""
+def write_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0, variant: str = "default",
+                        device: str = "cpu", dtype: str = "fp32") -> pathlib.Path:
+    """Write a tiny random SDXL pipeline (diffusers layout, safetensors) to ``out_dir``.
+
+    `device`/`dtype` only matter for the full-size `sdxl` variant: random init of 3.5B
+    parameters is fast on a GPU, and fp16 halves what is written."""
     import diffusers
     from diffusers import AutoencoderKL, StableDiffusionXLPipeline, UNet2DConditionModel
     from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
     if variant not in _CONFIGS:
-        raise ValueError(f"unknown tiny pipeline variant {variant!r}; allowed: {', '.join(VARIANTS)}")
+        raise ValueError(f"unknown tiny pipeline variant {variant!r}; allowed: {', '.join(ALL_VARIANTS)}")
     out = pathlib.Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"refusing to write tiny pipeline into non-empty path {out}")
@@ -146,7 +170,7 @@ def write_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0, variant: str 
         tokenizer_2 = CLIPTokenizer(*files, pad_token="!", model_max_length=77)
 
     # Each component gets its own seed (seed*16+k); fork_rng leaves the caller's global RNG untouched.
-    with torch.random.fork_rng(devices=[]):
+    with torch.random.fork_rng(devices=[]), torch.device(device):
         torch.manual_seed(seed * 16)
         text_encoder = CLIPTextModel(_text_config(vocab, tokenizer.pad_token, **cfg["te1"])).eval()
         torch.manual_seed(seed * 16 + 1)
@@ -171,6 +195,9 @@ def write_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0, variant: str 
     extra = dict(clip_sample=False, set_alpha_to_one=False) if cfg["scheduler"] == "DDIMScheduler" else {}
     scheduler = sched_cls(**_SDXL_BETAS, **extra)
 
+    torch_dtype = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[dtype]
+    for module in (text_encoder, text_encoder_2, unet, vae):
+        module.to(dtype=torch_dtype)
     pipe = StableDiffusionXLPipeline(
         vae=vae, text_encoder=text_encoder, text_encoder_2=text_encoder_2, tokenizer=tokenizer,
         tokenizer_2=tokenizer_2, unet=unet, scheduler=scheduler, force_zeros_for_empty_prompt=True,
