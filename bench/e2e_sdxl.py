@@ -44,7 +44,8 @@ def time_server(repo: Path, size: int, steps: int, runs: int) -> tuple[list[floa
     from clients.serve import TritonServer
 
     with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=900) as server:
-        with EaselClient(server.url_http) as client:
+        # gRPC: the GPU image has grpcio but not gevent, which tritonclient's HTTP client needs.
+        with EaselClient(server.url_grpc, protocol="grpc") as client:
             client.generate("warm up", width=size, height=size, steps=2, seed=0)
             latencies, infos = [], []
             for i in range(runs):
