@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from clients.tools import package_dir, prepend_path, site_packages
+from clients.tools import append_path, package_dir, prepend_path, site_packages
 
 log = logging.getLogger(__name__)
 
@@ -166,7 +166,13 @@ def server_env(triton: TritonInstall, project: Path,
     prepend_path(env, "LD_LIBRARY_PATH", list(triton.lib_dirs))
     # The stub's embedded interpreter does not know about the venv; model.py
     # files call site.addsitedir on each PYTHONPATH entry (for .pth files too).
-    prepend_path(env, "PYTHONPATH", [*site_packages(), project])
+    # Folders already on PYTHONPATH keep precedence (the GPU machine's bundle pins numpy<2
+    # there, which this Python backend needs).
+    append_path(env, "PYTHONPATH", [*site_packages(), project])
+    # Folders for the server's Python only, ahead of everything: Triton 2.51's Python backend
+    # stub needs numpy<2, so a host whose Python has numpy 2 (the GPU image) points this at a
+    # numpy<2 folder without changing its own Python.
+    prepend_path(env, "PYTHONPATH", [p for p in env.get("EASEL_SERVER_PYTHONPATH", "").split(os.pathsep) if p])
     return env
 
 

@@ -46,6 +46,12 @@ def prepend_path(env: dict[str, str], key: str, entries: list[Path | str]) -> No
     env[key] = os.pathsep.join(merged)
 
 
+def append_path(env: dict[str, str], key: str, entries: list[Path | str]) -> None:
+    """Put `entries` after the os.pathsep list `env[key]`, skipping duplicates."""
+    current = [p for p in env.get(key, "").split(os.pathsep) if p]
+    env[key] = os.pathsep.join(current + [str(e) for e in entries if str(e) not in current])
+
+
 def perf_analyzer_path() -> Path:
     """perf_analyzer from tritonclient[all]: the venv's bin/, else $PATH."""
     candidate = Path(sys.prefix) / "bin" / "perf_analyzer"

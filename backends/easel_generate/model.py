@@ -6,10 +6,15 @@ It holds no tensors' maths (numpy only), so many light instances can wait at onc
 
 import os
 import site
+import sys
 
+# The stub's interpreter ignores PYTHONPATH: add its folders (with their .pth files) ahead of
+# the interpreter's own site-packages, as PYTHONPATH would, so the deployment's numpy wins.
+_own = list(sys.path)
 for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
     if _p:
-        site.addsitedir(_p)  # the stub's interpreter does not read PYTHONPATH itself
+        site.addsitedir(_p)
+sys.path[:] = [p for p in sys.path if p not in _own] + _own
 
 import itertools  # noqa: E402
 import time  # noqa: E402
