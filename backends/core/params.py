@@ -95,14 +95,14 @@ def _text(raw: Mapping[str, Any], name: str, limits: Limits, required: bool) -> 
         if required:
             raise InvalidInput(name, "is required")
         return None
-    if isinstance(value, bytes):
-        if len(value) > limits.max_prompt_bytes:
-            raise InvalidInput(name, f"is {len(value)} bytes, over the limit of {limits.max_prompt_bytes}")
-        try:
-            value = value.decode("utf-8")
-        except UnicodeDecodeError:
-            raise InvalidInput(name, "is not valid UTF-8") from None
-    return str(value)
+    if isinstance(value, str):
+        value = value.encode("utf-8")
+    if len(value) > limits.max_prompt_bytes:
+        raise InvalidInput(name, f"is {len(value)} bytes, over the limit of {limits.max_prompt_bytes}")
+    try:
+        return value.decode("utf-8")
+    except UnicodeDecodeError:
+        raise InvalidInput(name, "is not valid UTF-8") from None
 
 
 def _size(raw: Mapping[str, Any], name: str, default: int, maximum: int, limits: Limits) -> int:

@@ -12,7 +12,6 @@ row budget). Requests join before any step and leave after any step; shapes inte
 from __future__ import annotations
 
 import enum
-import itertools
 from dataclasses import dataclass, field
 
 
@@ -37,7 +36,7 @@ class SeqState:
     status: Status = Status.WAITING
     error: str | None = None
     first_step_at: float | None = None
-    last_served: int = -1  # tick of its last step; -1 = never
+    last_served: int = -1  # tick of its last step (or of its admission)
 
     @property
     def done(self) -> bool:
@@ -72,7 +71,7 @@ class StepScheduler:
         self.config = config
         self.waiting: list[SeqState] = []
         self.running: dict[str, SeqState] = {}
-        self._ticks = itertools.count()
+        self._tick = -1  # the last tick planned
 
     def add(self, seq: SeqState) -> None:
         if seq.rows > self.config.max_batch_rows:
@@ -101,6 +100,9 @@ class StepScheduler:
         while self.waiting and len(self.running) < self.config.max_running:
             seq = self.waiting.pop(0)
             seq.status = Status.RUNNING
+            # A newcomer ranks as if served just now: otherwise a stream of arrivals of one
+            # shape would keep leading and starve running requests of another shape.
+            seq.last_served = self._tick
             self.running[seq.request_id] = seq
             admitted.append(seq.request_id)
         if not self.running:
@@ -116,7 +118,7 @@ class StepScheduler:
                 break
             batch.append(seq)
             rows += seq.rows
-        tick = next(self._ticks)
+        self._tick = tick = self._tick + 1
         for seq in batch:
             seq.last_served = tick
             if seq.first_step_at is None:

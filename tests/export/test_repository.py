@@ -1,0 +1,333 @@
+"""export/repository.py: the Triton model repository written from a diffusers SDXL folder.
+
+Configs are parsed with Triton's own ModelConfig protobuf; the denoiser's artifacts are loaded by
+the serving engine and must reproduce diffusers' StableDiffusionXLPipeline latents.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from google.protobuf import text_format
+from safetensors import safe_open
+from tritonclient.grpc import model_config_pb2
+
+from backends.core import contract
+from backends.core.artifacts import DECODER_FILE, ENCODER_FILE, UNET_DIR
+from backends.core.denoise_engine import DenoiseJob, TorchDenoiser
+from backends.core.params import Limits, validate
+from backends.core.placement import Placement
+from backends.core.text_encoding import PromptEncoder
+from backends.core.unet_split import split_unet
+from export.repository import ExportOptions, export_repository
+
+MODELS = ("easel", "preprocess", "text_encoder", "generate", "vae_decoder", "postprocess")
+PICKLE_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"}
+Config = model_config_pb2.ModelConfig
+
+
+@pytest.fixture(scope="module")
+def cpu_repo(tiny_model, tmp_path_factory):
+    return export_repository(tiny_model, tmp_path_factory.mktemp("export") / "cpu", ExportOptions(device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def alt_repo(alt_model, tmp_path_factory):
+    return export_repository(alt_model, tmp_path_factory.mktemp("export") / "alt", ExportOptions(device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def cuda_repo(tiny_model, tmp_path_factory):
+    # Writing a cuda repository needs no GPU: only the configs and the fp16 weights differ.
+    return export_repository(tiny_model, tmp_path_factory.mktemp("export") / "cuda",
+                             ExportOptions(device="cuda", gpus=(0, 1)))
+
+
+@pytest.fixture(params=["cpu", "alt", "cuda"])
+def repo(request):
+    return request.getfixturevalue(f"{request.param}_repo")
+
+
+def configs(repo: Path) -> dict[str, Config]:
+    """Every config.pbtxt of the repository, parsed by Triton's protobuf (a failure to parse raises)."""
+    out = {}
+    for path in sorted(repo.glob("*/config.pbtxt")):
+        out[path.parent.name] = text_format.Parse(path.read_text(), Config())
+    return out
+
+
+def params_of(config: Config) -> dict[str, str]:
+    return {k: v.string_value for k, v in config.parameters.items()}
+
+
+# --- configs ---
+
+
+def test_every_config_parses_and_is_named_after_its_folder(repo):
+    parsed = configs(repo)
+    assert set(MODELS) <= set(parsed)
+    for name, config in parsed.items():
+        assert config.name == name
+        assert (repo / name / "1").is_dir()
+        if name != "easel":
+            assert config.backend == f"easel_{'denoiser' if name.startswith('denoiser') else name}"
+            assert (Path(__file__).parents[2] / "backends" / config.backend / "model.py").is_file()
+
+
+def test_configs_declare_the_contract(cpu_repo):
+    parsed = configs(cpu_repo)
+    decls = dict(contract.PIPELINE, denoiser=contract.DENOISER)
+    for name, decl in decls.items():
+        config = parsed[name]
+        assert [t.name for t in config.input] == [t.name for t in decl.inputs]
+        assert [t.name for t in config.output] == [t.name for t in decl.outputs]
+        for tensor, t in zip([*config.input, *config.output], [*decl.inputs, *decl.outputs]):
+            wanted = "TYPE_STRING" if t.dtype == "BYTES" else f"TYPE_{t.dtype}"
+            assert model_config_pb2.DataType.Name(tensor.data_type) == wanted, (name, t.name)
+            assert tuple(tensor.dims) == t.dims, (name, t.name)
+        assert [t.optional for t in config.input] == [t.optional for t in decl.inputs]
+
+
+def test_ensemble_steps_connect(repo):
+    parsed = configs(repo)
+    easel = parsed["easel"]
+    assert easel.platform == "ensemble"
+    types = {t.name: (t.data_type, tuple(t.dims)) for t in easel.input}  # ensemble tensor -> type
+    assert set(types) == {t.name for t in contract.PUBLIC.inputs}
+    steps = easel.ensemble_scheduling.step
+    assert [s.model_name for s in steps] == [name for name, _ in contract.PIPELINE]
+    for step in steps:
+        model = parsed[step.model_name]
+        inputs = {t.name: t for t in model.input}
+        outputs = {t.name: t for t in model.output}
+        assert set(step.input_map) == set(inputs), step.model_name  # every input of the model is fed
+        for key, source in step.input_map.items():
+            assert source in types, f"{step.model_name}.{key} reads {source!r}, which nothing produced before"
+            assert types[source] == (inputs[key].data_type, tuple(inputs[key].dims)), (step.model_name, key)
+        assert set(step.output_map) <= set(outputs)
+        for key, target in step.output_map.items():
+            assert target not in types, f"{target!r} is produced twice"
+            types[target] = (outputs[key].data_type, tuple(outputs[key].dims))
+    for out in easel.output:
+        assert out.name in types, f"ensemble output {out.name} is never produced"
+        assert types[out.name] == (out.data_type, tuple(out.dims))
+    assert [o.name for o in easel.output] == ["image", "info"]
+
+
+def test_only_the_denoisers_are_decoupled(repo):
+    for name, config in configs(repo).items():
+        assert config.model_transaction_policy.decoupled == name.startswith("denoiser"), name
+
+
+def test_preprocess_limits_follow_the_model(cpu_repo, alt_repo):
+    # default size = UNet sample_size x VAE scale factor (16 x 8 for tiny, 12 x 8 for alt)
+    for repo, size in ((cpu_repo, 128), (alt_repo, 96)):
+        limits = Limits.from_json(params_of(configs(repo)["preprocess"])["limits"])
+        assert (limits.default_width, limits.default_height, limits.size_multiple) == (size, size, 8)
+        assert (limits.max_width, limits.max_steps, limits.default_steps) == (2048, 150, 30)
+
+
+# --- weights ---
+
+
+def test_only_safetensors_weights_are_written(repo):
+    files = [p for p in repo.rglob("*") if p.is_file()]
+    pickles = [p for p in files if p.suffix in PICKLE_SUFFIXES]
+    assert not pickles, pickles
+    weights = {p.relative_to(repo).as_posix() for p in files if p.suffix == ".safetensors"}
+    denoiser = "denoiser_gpu0" if (repo / "denoiser_gpu0").exists() else "denoiser"
+    assert {f"{denoiser}/1/{UNET_DIR}/{ENCODER_FILE}", f"{denoiser}/1/{UNET_DIR}/{DECODER_FILE}",
+            "text_encoder/1/text_encoder/model.safetensors", "text_encoder/1/text_encoder_2/model.safetensors",
+            "vae_decoder/1/vae/diffusion_pytorch_model.safetensors"} == weights
+
+
+def test_unet_halves_are_written_under_the_unet_key_names(cpu_repo, tiny_model):
+    from diffusers import UNet2DConditionModel
+
+    unet = UNet2DConditionModel.from_pretrained(tiny_model / "unet")
+    encoder, decoder = split_unet(unet)
+    for half, file in ((encoder, ENCODER_FILE), (decoder, DECODER_FILE)):
+        with safe_open(str(cpu_repo / "denoiser" / "1" / UNET_DIR / file), "pt") as f:
+            assert set(f.keys()) == set(half.state_dict())
+            for key in f.keys():
+                assert torch.equal(f.get_tensor(key), half.state_dict()[key]), key
+
+
+def test_cpu_export_is_fp32_on_cpu(cpu_repo):
+    parsed = configs(cpu_repo)
+    assert not any(name.startswith("denoiser_gpu") for name in parsed)
+    for name in ("text_encoder", "denoiser", "vae_decoder"):
+        assert params_of(parsed[name])["dtype"] == "fp32"
+    for name, config in parsed.items():
+        for group in config.instance_group:
+            assert model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind) == "KIND_CPU" and not group.gpus
+    assert params_of(parsed["generate"])["denoisers"] == "denoiser"
+    with safe_open(str(cpu_repo / "denoiser" / "1" / UNET_DIR / ENCODER_FILE), "pt") as f:
+        assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
+
+
+def test_cuda_export_writes_one_denoiser_per_gpu(cuda_repo):
+    parsed = configs(cuda_repo)
+    assert "denoiser" not in parsed
+    assert {"denoiser_gpu0", "denoiser_gpu1"} <= set(parsed)
+    for gpu in (0, 1):
+        config = parsed[f"denoiser_gpu{gpu}"]
+        (group,) = config.instance_group
+        assert model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind) == "KIND_GPU"
+        assert list(group.gpus) == [gpu]
+        params = params_of(config)
+        assert params["dtype"] == "fp16"
+        assert (params["max_running"], params["max_batch_rows"]) == ("16", "16")
+    # the second denoiser reads the first one's artifacts and holds no weights of its own
+    assert "artifacts" not in params_of(parsed["denoiser_gpu0"])
+    assert params_of(parsed["denoiser_gpu1"])["artifacts"] == "denoiser_gpu0/1"
+    assert (cuda_repo / "denoiser_gpu0/1" / UNET_DIR / ENCODER_FILE).is_file()
+    assert [p for p in (cuda_repo / "denoiser_gpu1").rglob("*") if p.is_file()] == [
+        cuda_repo / "denoiser_gpu1" / "config.pbtxt"]
+    assert params_of(parsed["generate"])["denoisers"] == "denoiser_gpu0,denoiser_gpu1"
+    for name in ("text_encoder", "vae_decoder"):
+        (group,) = parsed[name].instance_group
+        assert model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind) == "KIND_GPU"
+        assert list(group.gpus) == [0] and params_of(parsed[name])["dtype"] == "fp16"
+    for file in (ENCODER_FILE, DECODER_FILE):
+        with safe_open(str(cuda_repo / "denoiser_gpu0/1" / UNET_DIR / file), "pt") as f:
+            assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F16"}
+
+
+def test_export_json_records_the_options(cuda_repo):
+    info = json.loads((cuda_repo / "easel_export.json").read_text())
+    assert info["options"]["device"] == "cuda" and info["options"]["gpus"] == [0, 1]
+    assert Limits(**info["limits"]) == Limits.from_json(params_of(configs(cuda_repo)["preprocess"])["limits"])
+
+
+@pytest.mark.parametrize("kwargs,match", [
+    (dict(device="tpu"), "device"),
+    (dict(dtype="int8"), "dtype"),
+    (dict(device="cuda", gpus=()), "gpus"),
+])
+def test_bad_export_options_are_rejected(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        ExportOptions(**kwargs)
+
+
+def test_export_options_dtype_defaults():
+    assert ExportOptions(device="cpu").resolved_dtype == "fp32"
+    assert ExportOptions(device="cuda").resolved_dtype == "fp16"
+    assert ExportOptions(device="cuda", dtype="bf16").resolved_dtype == "bf16"
+
+
+# --- the exported weights run in the serving engine exactly like diffusers ---
+
+TOL = 1e-4  # max abs difference of final latents
+
+
+@pytest.fixture(scope="module")
+def engines(cpu_repo, alt_repo, tiny_model, alt_model):
+    from diffusers import StableDiffusionXLPipeline
+
+    out = {}
+    for name, repo, model in (("tiny", cpu_repo, tiny_model), ("alt", alt_repo, alt_model)):
+        pipe = StableDiffusionXLPipeline.from_pretrained(model, add_watermarker=False)
+        pipe.set_progress_bar_config(disable=True)
+        out[name] = (TorchDenoiser(repo / "denoiser" / "1", Placement()),
+                     PromptEncoder(repo / "text_encoder" / "1", Placement()), pipe)
+    return out
+
+
+def job(encoder, request_id, **request) -> DenoiseJob:
+    raw = {"prompt": b"a photo of the red cat on a mountain", **request}
+    params = validate(raw, Limits(default_width=128, default_height=128))
+    embeds, pooled = encoder.encode(params)
+    return DenoiseJob(request_id, params, embeds, pooled)
+
+
+def run_alone(engine, j: DenoiseJob) -> np.ndarray:
+    state = engine.start(j)
+    assert len(state.timesteps) == j.params.steps
+    while state.index < len(state.timesteps):
+        engine.step([state])
+    return engine.result(state)
+
+
+def diffusers_latents(pipe, j: DenoiseJob) -> np.ndarray:
+    from diffusers import DDIMScheduler, DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler
+
+    p = j.params
+    swap = {"default": None, "euler_a": EulerAncestralDiscreteScheduler.from_config,
+            "ddim": DDIMScheduler.from_config,
+            "dpmpp_2m_karras": lambda c: DPMSolverMultistepScheduler.from_config(
+                c, use_karras_sigmas=True, algorithm_type="dpmsolver++")}[p.scheduler]
+    embeds, pooled = torch.from_numpy(j.prompt_embeds), torch.from_numpy(j.pooled_embeds)
+    if p.cfg:  # rows are negative first
+        text = dict(prompt_embeds=embeds[1:], negative_prompt_embeds=embeds[:1],
+                    pooled_prompt_embeds=pooled[1:], negative_pooled_prompt_embeds=pooled[:1])
+    else:
+        text = dict(prompt_embeds=embeds, pooled_prompt_embeds=pooled)
+    original = pipe.scheduler
+    if swap is not None:
+        pipe.scheduler = swap(original.config)
+    try:
+        out = pipe(**text, width=p.width, height=p.height, num_inference_steps=p.steps,
+                   guidance_scale=p.guidance_scale, generator=torch.Generator("cpu").manual_seed(p.seed),
+                   output_type="latent")
+    finally:
+        pipe.scheduler = original
+    return out.images.numpy()
+
+
+@pytest.mark.parametrize("model,request_", [
+    ("tiny", dict(seed=7, steps=4, width=128, height=128, guidance_scale=5.0)),
+    ("tiny", dict(seed=8, steps=3, width=72, height=104, guidance_scale=1.0, scheduler=b"euler_a")),
+    ("tiny", dict(seed=9, steps=5, width=96, height=64, guidance_scale=7.5, negative_prompt=b"blurry",
+                  scheduler=b"dpmpp_2m_karras")),
+    ("alt", dict(seed=10, steps=4, width=96, height=96, guidance_scale=5.0)),  # the model's DDIM
+], ids=["tiny-euler-cfg", "tiny-euler_a-odd-nocfg", "tiny-dpmpp-negative", "alt-ddim"])
+def test_exported_denoiser_reproduces_diffusers_latents(engines, model, request_):
+    engine, encoder, pipe = engines[model]
+    j = job(encoder, "r", **request_)
+    got = run_alone(engine, j)
+    expected = diffusers_latents(pipe, j)
+    assert got.shape == expected.shape == (1, 4, j.params.height // 8, j.params.width // 8)
+    assert np.isfinite(got).all()
+    assert np.abs(got - expected).max() <= TOL
+    # guards: the seed matters, so the comparison above is not trivially true
+    other = run_alone(engine, job(encoder, "r2", **{**request_, "seed": request_["seed"] + 100}))
+    assert np.abs(other - got).max() > 1e-2
+
+
+def test_prompt_encoder_matches_diffusers_encode_prompt(engines):
+    _, encoder, pipe = engines["tiny"]
+    j = job(encoder, "r", negative_prompt=b"a dog", guidance_scale=5.0, seed=1)
+    with torch.no_grad():
+        pe, npe, ppe, nppe = pipe.encode_prompt("a photo of the red cat on a mountain", negative_prompt="a dog",
+                                                do_classifier_free_guidance=True, device="cpu")
+    np.testing.assert_array_equal(j.prompt_embeds, torch.cat([npe, pe]).numpy())
+    np.testing.assert_array_equal(j.pooled_embeds, torch.cat([nppe, ppe]).numpy())
+
+
+@pytest.mark.parametrize("model", ["tiny", "alt"])
+def test_requests_at_different_steps_batched_together_match_each_alone(engines, model):
+    engine, encoder, _ = engines[model]
+    size = dict(width=72, height=104)
+    a = job(encoder, "a", seed=1, steps=5, guidance_scale=5.0, scheduler=b"dpmpp_2m_karras", **size)
+    b = job(encoder, "b", seed=2, steps=6, guidance_scale=1.0, scheduler=b"euler_a", **size)  # 1 row vs 2
+    c = job(encoder, "c", seed=3, steps=4, guidance_scale=3.0, negative_prompt=b"city", **size)
+    alone = {j.request_id: run_alone(engine, j) for j in (a, b, c)}
+
+    sa, sb, sc = engine.start(a), engine.start(b), engine.start(c)
+    engine.step([sa])
+    engine.step([sa])  # a is two steps ahead when b joins
+    engine.step([sa, sb])
+    while sa.index < len(sa.timesteps):  # c joins late; all three share steps at different timesteps
+        engine.step([sc, sa, sb])
+    while sb.index < len(sb.timesteps):
+        engine.step([s for s in (sb, sc) if s.index < len(s.timesteps)])
+    while sc.index < len(sc.timesteps):
+        engine.step([sc])
+    for state in (sa, sb, sc):
+        got = engine.result(state)
+        assert np.abs(got - alone[state.job.request_id]).max() <= TOL, state.job.request_id

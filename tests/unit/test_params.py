@@ -1,0 +1,182 @@
+"""backends/core/params.py: request validation against Limits, and the JSON the params travel in."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+
+import pytest
+
+from backends.core.params import (MAX_SEED, SCHEDULER_NAMES, GenerateParams, InvalidInput, Limits,
+                                  validate)
+
+LIMITS = Limits(default_width=512, default_height=768, max_width=1024, max_height=896, min_size=64,
+                size_multiple=8, default_steps=25, max_steps=60, default_guidance_scale=6.5,
+                max_guidance_scale=20.0, default_scheduler="euler", max_prompt_bytes=40)
+
+
+def raw(**overrides):
+    """A request as preprocess reads it: every input present, None where the client sent nothing."""
+    fields = dict(prompt=b"a red cat", negative_prompt=None, width=None, height=None, steps=None,
+                  guidance_scale=None, seed=None, scheduler=None)
+    fields.update(overrides)
+    return fields
+
+
+def invalid(field: str, *fragments: str, **overrides) -> InvalidInput:
+    with pytest.raises(InvalidInput) as info:
+        validate(raw(**overrides), LIMITS)
+    exc = info.value
+    assert exc.field == field
+    message = str(exc)
+    assert message.startswith(f"{field}: "), message
+    for fragment in fragments:
+        assert fragment in message, (fragment, message)
+    return exc
+
+
+def test_defaults_come_from_the_limits():
+    p = validate(raw(seed=3), LIMITS)
+    assert (p.prompt, p.negative_prompt) == ("a red cat", None)
+    assert (p.width, p.height, p.steps) == (512, 768, 25)
+    assert p.guidance_scale == 6.5 and p.cfg
+    assert (p.seed, p.scheduler, p.trace) == (3, "euler", {})
+
+
+def test_missing_seed_is_drawn_at_random_and_in_range():
+    seeds = {validate(raw(), LIMITS).seed for _ in range(20)}
+    assert len(seeds) > 1
+    assert all(0 <= s <= MAX_SEED for s in seeds)
+
+
+def test_explicit_values_are_kept():
+    p = validate(raw(prompt="str prompt", negative_prompt=b"blurry", width=1024, height=64, steps=60,
+                     guidance_scale=0.0, seed=MAX_SEED, scheduler=b"dpmpp_2m_karras"), LIMITS)
+    assert (p.prompt, p.negative_prompt, p.width, p.height, p.steps) == ("str prompt", "blurry", 1024, 64, 60)
+    assert (p.guidance_scale, p.seed, p.scheduler) == (0.0, MAX_SEED, "dpmpp_2m_karras")
+    assert not p.cfg  # diffusers runs CFG only for guidance_scale > 1
+    assert not validate(raw(guidance_scale=1.0), LIMITS).cfg
+    assert validate(raw(guidance_scale=1.01), LIMITS).cfg
+
+
+def test_every_scheduler_name_is_accepted():
+    for name in SCHEDULER_NAMES:
+        assert validate(raw(scheduler=name.encode()), LIMITS).scheduler == name
+
+
+def test_empty_negative_prompt_is_kept_distinct_from_none():
+    assert validate(raw(negative_prompt=b""), LIMITS).negative_prompt == ""
+
+
+def test_unicode_prompt_is_decoded():
+    assert validate(raw(prompt="café ☕".encode()), LIMITS).prompt == "café ☕"
+
+
+def test_prompt_is_required():
+    invalid("prompt", "required", prompt=None)
+
+
+@pytest.mark.parametrize("name", ["width", "height"])
+@pytest.mark.parametrize("value", [100, 65, 1020])
+def test_size_not_a_multiple(name, value):
+    invalid(name, str(value), "multiple of 8", **{name: value})
+
+
+@pytest.mark.parametrize("name,maximum", [("width", 1024), ("height", 896)])
+def test_size_under_min_or_over_max(name, maximum):
+    invalid(name, "56", "[64, %d]" % maximum, **{name: 56})
+    invalid(name, "0", "[64, %d]" % maximum, **{name: 0})
+    invalid(name, str(maximum + 8), "[64, %d]" % maximum, **{name: maximum + 8})
+    assert getattr(validate(raw(**{name: maximum}), LIMITS), name) == maximum
+    assert getattr(validate(raw(**{name: 64}), LIMITS), name) == 64
+
+
+@pytest.mark.parametrize("steps", [0, -1, 61, 10_000])
+def test_steps_out_of_range(steps):
+    invalid("steps", str(steps), "[1, 60]", steps=steps)
+
+
+def test_steps_bounds_are_inclusive():
+    assert validate(raw(steps=1), LIMITS).steps == 1
+    assert validate(raw(steps=60), LIMITS).steps == 60
+
+
+@pytest.mark.parametrize("guidance", [-0.5, 20.5, math.inf, -math.inf])
+def test_guidance_out_of_range(guidance):
+    invalid("guidance_scale", str(guidance), "[0, 20.0]", guidance_scale=guidance)
+
+
+def test_nan_guidance_is_refused():
+    invalid("guidance_scale", "nan", "[0, 20.0]", guidance_scale=math.nan)
+
+
+def test_unknown_scheduler_lists_the_allowed_names():
+    exc = invalid("scheduler", "'lms'", scheduler=b"lms")
+    assert "allowed: " + ", ".join(SCHEDULER_NAMES) in str(exc)
+
+
+@pytest.mark.parametrize("seed", [-1, MAX_SEED + 1, 2**64])
+def test_seed_out_of_range(seed):
+    invalid("seed", str(seed), f"[0, {MAX_SEED}]", seed=seed)
+
+
+@pytest.mark.parametrize("name", ["prompt", "negative_prompt"])
+def test_prompt_over_max_bytes(name):
+    invalid(name, "41 bytes", "limit of 40", **{name: b"x" * 41})
+    assert getattr(validate(raw(**{name: b"x" * 40}), LIMITS), name) == "x" * 40
+    # the limit counts bytes, not characters: 14 three-byte characters are 42 bytes
+    invalid(name, "42 bytes", "limit of 40", **{name: "☕".encode() * 14})
+
+
+@pytest.mark.parametrize("name", ["prompt", "negative_prompt", "scheduler"])
+def test_invalid_utf8(name):
+    invalid(name, "UTF-8", **{name: b"\xff\xfe cat"})
+
+
+def test_invalid_input_is_a_value_error():
+    assert issubclass(InvalidInput, ValueError)
+
+
+# --- JSON ---
+
+
+def test_generate_params_json_round_trip():
+    p = validate(raw(prompt="café ☕".encode(), negative_prompt=b"", seed=MAX_SEED, guidance_scale=7.25,
+                     scheduler=b"euler_a", width=72, height=888), LIMITS)
+    p = p.with_trace(received_at=1234.5, stages={"text": [0.1, 0.2]})
+    data = p.to_json()
+    assert isinstance(data, bytes)
+    back = GenerateParams.from_json(data)
+    assert back == p
+    assert GenerateParams.from_json(data.decode()) == p
+    assert type(back.seed) is int and back.seed == MAX_SEED
+
+
+def test_with_trace_merges_and_does_not_mutate():
+    p = validate(raw(seed=1), LIMITS)
+    q = p.with_trace(a=1).with_trace(b=2, a=3)
+    assert q.trace == {"a": 3, "b": 2} and p.trace == {}
+
+
+def test_generate_params_from_json_rejects_unknown_keys():
+    data = json.loads(validate(raw(seed=1), LIMITS).to_json())
+    data["strength"] = 0.5
+    with pytest.raises(ValueError, match=r"params: unknown keys \['strength'\]"):
+        GenerateParams.from_json(json.dumps(data))
+
+
+def test_limits_json_round_trip():
+    assert Limits.from_json(LIMITS.to_json()) == LIMITS
+    assert Limits.from_json("{}") == Limits()
+    assert Limits.from_json('{"max_steps": 7}') == dataclasses.replace(Limits(), max_steps=7)
+
+
+def test_limits_from_json_rejects_unknown_keys():
+    with pytest.raises(ValueError, match=r"limits: unknown keys \['max_widht'\]") as info:
+        Limits.from_json('{"max_widht": 10, "max_width": 10}')
+    assert "max_width" in str(info.value)  # the allowed names are listed
+
+
+def test_prompt_limit_also_applies_to_str_prompts():
+    invalid("prompt", "41 bytes", "limit of 40", prompt="x" * 41)
