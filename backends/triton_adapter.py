@@ -15,7 +15,7 @@ import triton_python_backend_utils as pb_utils
 
 from backends.core.placement import Placement
 from backends.core.contract import ModelDecl
-from backends.core.params import GenerateParams
+from backends.core.params import GenerateParams, InvalidInput
 
 
 class TritonLogHandler(logging.Handler):
@@ -96,3 +96,18 @@ def params_tensor(params: GenerateParams):
 
 def error(message: str):
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+
+
+def each_request(requests, handle, what: str) -> list:
+    """One response per request: `handle(request)` returns its output tensors; whatever it raises
+    fails that request alone (InvalidInput as is, since it already names the field)."""
+    responses = []
+    for request in requests:
+        try:
+            responses.append(pb_utils.InferenceResponse(handle(request)))
+        except InvalidInput as exc:
+            responses.append(error(str(exc)))
+        except Exception as exc:
+            logging.getLogger(f"backends.{what}").exception("request failed")
+            responses.append(error(f"{what}: {exc}"))
+    return responses

@@ -17,12 +17,11 @@ for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
 sys.path[:] = [p for p in sys.path if p not in _own] + _own
 
 import itertools  # noqa: E402
-import time  # noqa: E402
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from backends.core.contract import DENOISER  # noqa: E402
-from backends.triton_adapter import error, parameters, setup_logging  # noqa: E402
+from backends.triton_adapter import each_request, parameters, setup_logging  # noqa: E402
 
 
 class TritonPythonModel:
@@ -35,21 +34,20 @@ class TritonPythonModel:
         self.denoisers = itertools.cycle(names)
 
     def execute(self, requests):
-        return [self._generate(request) for request in requests]
+        return each_request(requests, self._generate, "generate")
 
     def _generate(self, request):
         inputs = [pb_utils.get_input_tensor_by_name(request, t.name) for t in DENOISER.inputs]
         bls = pb_utils.InferenceRequest(model_name=next(self.denoisers),
                                         requested_output_names=[t.name for t in DENOISER.outputs],
                                         inputs=inputs)
-        start = time.perf_counter()
         final = None
         for response in bls.exec(decoupled=True):
             if response.has_error():
-                return error(response.error().message())
+                raise RuntimeError(response.error().message())
             if response.output_tensors():
                 final = response
         if final is None:
-            return error("the denoiser finished without a result")
+            raise RuntimeError("the denoiser finished without a result")
         outputs = {t.name(): t for t in final.output_tensors()}
-        return pb_utils.InferenceResponse([outputs[t.name] for t in DENOISER.outputs])
+        return [outputs[t.name] for t in DENOISER.outputs]

@@ -20,7 +20,7 @@ import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 from PIL import Image  # noqa: E402
 
-from backends.triton_adapter import error, read_params, setup_logging  # noqa: E402
+from backends.triton_adapter import each_request, read_params, setup_logging  # noqa: E402
 
 
 def info_of(params) -> dict:
@@ -40,19 +40,14 @@ class TritonPythonModel:
         setup_logging()
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                params = read_params(request)
-                start = time.perf_counter()
-                buf = io.BytesIO()
-                Image.fromarray(pb_utils.get_input_tensor_by_name(request, "pixels").as_numpy()).save(buf, format="PNG")
-                params = params.with_trace(postprocess_s=time.perf_counter() - start)
-                info = json.dumps(info_of(params)).encode()
-            except Exception as exc:
-                responses.append(error(f"postprocess: {exc}"))
-                continue
-            responses.append(pb_utils.InferenceResponse([
-                pb_utils.Tensor("image", np.array([buf.getvalue()], dtype=np.object_)),
-                pb_utils.Tensor("info", np.array([info], dtype=np.object_))]))
-        return responses
+        return each_request(requests, self._encode_png, "postprocess")
+
+    def _encode_png(self, request):
+        params = read_params(request)
+        start = time.perf_counter()
+        buf = io.BytesIO()
+        Image.fromarray(pb_utils.get_input_tensor_by_name(request, "pixels").as_numpy()).save(buf, format="PNG")
+        params = params.with_trace(postprocess_s=time.perf_counter() - start)
+        info = json.dumps(info_of(params)).encode()
+        return [pb_utils.Tensor("image", np.array([buf.getvalue()], dtype=np.object_)),
+                pb_utils.Tensor("info", np.array([info], dtype=np.object_))]

@@ -14,11 +14,9 @@ sys.path[:] = [p for p in sys.path if p not in _own] + _own
 
 import time  # noqa: E402
 
-import triton_python_backend_utils as pb_utils  # noqa: E402
-
 from backends.core.contract import PREPROCESS  # noqa: E402
-from backends.core.params import InvalidInput, Limits, validate  # noqa: E402
-from backends.triton_adapter import error, parameters, params_tensor, read_inputs, scalar, setup_logging  # noqa: E402
+from backends.core.params import Limits, validate  # noqa: E402
+from backends.triton_adapter import each_request, parameters, params_tensor, read_inputs, scalar, setup_logging  # noqa: E402
 
 
 class TritonPythonModel:
@@ -27,13 +25,8 @@ class TritonPythonModel:
         self.limits = Limits.from_json(parameters(args)["limits"])
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            raw = {name: scalar(value) for name, value in read_inputs(request, PREPROCESS).items()}
-            try:
-                params = validate(raw, self.limits).with_trace(received_at=time.time())
-            except InvalidInput as exc:
-                responses.append(error(str(exc)))
-                continue
-            responses.append(pb_utils.InferenceResponse([params_tensor(params)]))
-        return responses
+        return each_request(requests, self._validate, "preprocess")
+
+    def _validate(self, request):
+        raw = {name: scalar(value) for name, value in read_inputs(request, PREPROCESS).items()}
+        return [params_tensor(validate(raw, self.limits).with_trace(received_at=time.time()))]

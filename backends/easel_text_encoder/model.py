@@ -18,7 +18,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from backends.core.text_encoding import PromptEncoder  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
-    artifact_folder, error, params_tensor, placement, read_params, setup_logging)
+    artifact_folder, each_request, params_tensor, placement, read_params, setup_logging)
 
 
 class TritonPythonModel:
@@ -27,16 +27,11 @@ class TritonPythonModel:
         self.encoder = PromptEncoder(artifact_folder(args), placement(args))
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                params = read_params(request)
-                start = time.perf_counter()
-                embeds, pooled = self.encoder.encode(params)
-                params = params.with_trace(text_encoder_s=time.perf_counter() - start)
-            except Exception as exc:  # a failure belongs to this request only
-                responses.append(error(f"text encoder: {exc}"))
-                continue
-            responses.append(pb_utils.InferenceResponse([
-                params_tensor(params), pb_utils.Tensor("prompt_embeds", embeds), pb_utils.Tensor("pooled_embeds", pooled)]))
-        return responses
+        return each_request(requests, self._encode, "text_encoder")
+
+    def _encode(self, request):
+        params = read_params(request)
+        start = time.perf_counter()
+        embeds, pooled = self.encoder.encode(params)
+        params = params.with_trace(text_encoder_s=time.perf_counter() - start)
+        return [params_tensor(params), pb_utils.Tensor("prompt_embeds", embeds), pb_utils.Tensor("pooled_embeds", pooled)]

@@ -18,7 +18,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from backends.core.vae_decoding import LatentDecoder  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
-    artifact_folder, error, params_tensor, placement, read_params, setup_logging)
+    artifact_folder, each_request, params_tensor, placement, read_params, setup_logging)
 
 
 class TritonPythonModel:
@@ -27,15 +27,11 @@ class TritonPythonModel:
         self.decoder = LatentDecoder(artifact_folder(args), placement(args))
 
     def execute(self, requests):
-        responses = []
-        for request in requests:
-            try:
-                params = read_params(request)
-                start = time.perf_counter()
-                pixels = self.decoder.decode(pb_utils.get_input_tensor_by_name(request, "latents").as_numpy())
-                params = params.with_trace(vae_decoder_s=time.perf_counter() - start)
-            except Exception as exc:
-                responses.append(error(f"vae decoder: {exc}"))
-                continue
-            responses.append(pb_utils.InferenceResponse([params_tensor(params), pb_utils.Tensor("pixels", pixels)]))
-        return responses
+        return each_request(requests, self._decode, "vae_decoder")
+
+    def _decode(self, request):
+        params = read_params(request)
+        start = time.perf_counter()
+        pixels = self.decoder.decode(pb_utils.get_input_tensor_by_name(request, "latents").as_numpy())
+        params = params.with_trace(vae_decoder_s=time.perf_counter() - start)
+        return [params_tensor(params), pb_utils.Tensor("pixels", pixels)]
