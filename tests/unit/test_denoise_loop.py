@@ -1,0 +1,94 @@
+"""The denoiser's loop thread on the real engine (tiny model, CPU): join, leave, cancel, fail, stop."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+
+from backends.core.denoise_engine import DenoiseJob, TorchDenoiser
+from backends.core.denoise_loop import DenoiseLoop, DenoiseResult
+from backends.core.params import Limits, validate
+from backends.core.placement import Placement
+from backends.core.step_scheduler import SchedulerConfig
+from backends.core.text_encoding import PromptEncoder
+from export.repository import ExportOptions, export_repository
+
+
+@pytest.fixture(scope="module")
+def engines(tiny_model, tmp_path_factory):
+    repo = export_repository(tiny_model, tmp_path_factory.mktemp("loop") / "repo", ExportOptions())
+    return TorchDenoiser(repo / "denoiser" / "1", Placement()), PromptEncoder(repo / "text_encoder" / "1", Placement())
+
+
+class Results:
+    def __init__(self):
+        self.done: dict[str, DenoiseResult] = {}
+        self.event = threading.Condition()
+
+    def __call__(self, result: DenoiseResult) -> None:
+        with self.event:
+            self.done[result.request_id] = result
+            self.event.notify_all()
+
+    def wait(self, ids, timeout=120):
+        with self.event:
+            assert self.event.wait_for(lambda: all(i in self.done for i in ids), timeout), self.done.keys()
+        return [self.done[i] for i in ids]
+
+
+def job(encoder, rid, steps=4, size=64, seed=1, **kw):
+    params = validate({"prompt": "a cat", "steps": steps, "width": size, "height": size, "seed": seed}, Limits())
+    embeds, pooled = encoder.encode(params)
+    return DenoiseJob(request_id=rid, params=params, prompt_embeds=embeds, pooled_embeds=pooled, **kw)
+
+
+def run(engine, jobs, config=SchedulerConfig()):
+    results = Results()
+    loop = DenoiseLoop(engine, results, config)
+    loop.start()
+    for j in jobs:
+        loop.submit(j)
+    out = results.wait([j.request_id for j in jobs])
+    loop.shutdown()
+    return out
+
+
+def test_cancelled_request_leaves_and_others_finish_unchanged(engines):
+    engine, encoder = engines
+    alone = run(engine, [job(encoder, "a", steps=6)])[0]
+    cancelled = threading.Event()
+    cancelled.set()  # the client is gone from the start: b must leave long before its 40 steps
+    a, b = run(engine, [job(encoder, "a", steps=6), job(encoder, "b", steps=40, is_cancelled=cancelled.is_set)])
+    assert b.error == "cancelled by the client" and b.latents is None and b.steps < 40
+    assert a.error is None and np.abs(a.latents - alone.latents).max() <= 1e-5
+
+
+def test_bad_job_is_refused_alone(engines):
+    engine, encoder = engines
+    good = job(encoder, "good")
+    bad = job(encoder, "bad")
+    bad.prompt_embeds = bad.prompt_embeds[:1]  # one row where CFG needs two
+    good_out, bad_out = run(engine, [good, bad])
+    assert "expected 2 rows" in bad_out.error and bad_out.latents is None
+    assert good_out.error is None and good_out.steps == 4
+
+
+def test_requests_of_two_sizes_interleave_and_share_steps(engines):
+    engine, encoder = engines
+    jobs = [job(encoder, f"r{i}", steps=3 + i, size=64 if i % 2 else 96, seed=i) for i in range(6)]
+    out = run(engine, jobs, SchedulerConfig(max_running=6, max_batch_rows=6))
+    assert all(r.error is None and r.steps == 3 + i for i, r in enumerate(out))
+    assert max(r.max_batch for r in out) == 3  # three CFG requests of one size fill 6 rows
+
+
+def test_shutdown_fails_what_is_left(engines):
+    engine, encoder = engines
+    results = Results()
+    loop = DenoiseLoop(engine, results)
+    loop.start()
+    loop.submit(job(encoder, "long", steps=150))
+    loop.shutdown()
+    (left,) = results.wait(["long"], timeout=10)
+    assert left.error == "the denoiser is shutting down"
