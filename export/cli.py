@@ -28,6 +28,8 @@ def parser() -> argparse.ArgumentParser:
                       help="default | alt (another configuration, for tests) | sdxl (full SDXL sizes, for GPUs)")
     tiny.add_argument("--device", default="cpu", help="where to initialise the weights (cuda for --variant sdxl)")
     tiny.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
+    tiny.add_argument("--adapters", default=None,
+                      help="where to write the adapter store with two tiny ControlNets (default: DIR/adapters)")
 
     exp = sub.add_parser("export", help="diffusers SDXL folder -> Triton model repository")
     exp.add_argument("--model", required=True, help="a diffusers StableDiffusionXLPipeline folder")
@@ -50,10 +52,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     if args.command == "tiny":
         from .tiny import write_tiny_pipeline
+        from .tiny_adapters import write_tiny_adapter_store
 
         path = write_tiny_pipeline(args.dir, seed=args.seed, variant=args.variant, device=args.device,
                                    dtype=args.dtype)
-        logging.getLogger("easel").info("wrote %s", path)
+        store = write_tiny_adapter_store(path, args.adapters, seed=args.seed)
+        logging.getLogger("easel").info("wrote %s and the adapter store %s", path, store)
         return 0
     if args.command == "export":
         from .repository import ExportOptions, export_repository
