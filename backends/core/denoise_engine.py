@@ -20,6 +20,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from .artifacts import load_unet_halves
+from .controlnet import ControlInput, ControlNetBank, PreparedControl, prepare_control_image, residuals
 from .placement import Placement
 from .params import GenerateParams
 from .schedulers import make_scheduler
@@ -37,6 +38,7 @@ class DenoiseJob:
     pooled_embeds: np.ndarray  # [rows, pooled dim]
     is_cancelled: Callable[[], bool] = lambda: False
     arrival: float = field(default_factory=time.monotonic)
+    controls: list[ControlInput] = field(default_factory=list)
 
 
 @dataclass
@@ -49,6 +51,7 @@ class RequestState:
     pooled: torch.Tensor
     time_ids: torch.Tensor
     step_kwargs: dict[str, Any] = field(default_factory=dict)
+    controls: list[PreparedControl] = field(default_factory=list)
     index: int = 0
     max_batch: int = 1  # most requests it shared one step with (itself included)
 
@@ -58,7 +61,7 @@ class RequestState:
 
 
 class TorchDenoiser:
-    def __init__(self, folder: str | Path, placement: Placement):
+    def __init__(self, folder: str | Path, placement: Placement, controlnets: ControlNetBank | None = None):
         folder = Path(folder)
         self.placement = placement
         self.device = torch.device(placement.device)
@@ -67,6 +70,7 @@ class TorchDenoiser:
         self.base_scheduler = _load_scheduler(folder / "scheduler")
         self.vae_scale_factor = json.loads((folder / VAE_SCALE_FACTOR_FILE).read_text())["vae_scale_factor"]
         self.latent_channels = self.unet.config.in_channels
+        self.controlnets = controlnets
 
     def latent_shape(self, params: GenerateParams) -> tuple[int, int]:
         return params.height // self.vae_scale_factor, params.width // self.vae_scale_factor
@@ -93,13 +97,21 @@ class TorchDenoiser:
         if "generator" in accepted:
             step_kwargs["generator"] = generator
 
+        if job.controls and self.controlnets is None:
+            raise ValueError("controlnets: this denoiser has no adapter store")
+        controls = []
+        for c in job.controls:
+            image = prepare_control_image(c.image, p.width, p.height, self.vae_scale_factor)
+            controls.append(PreparedControl(self.controlnets.get(c.name), torch.cat([image] * rows).to(
+                self.device, self.dtype), c.scale, c.guidance_start, c.guidance_end))
+
         time_ids = torch.tensor([[p.height, p.width, 0, 0, p.height, p.width]], dtype=self.dtype,
                                 device=self.device).repeat(rows, 1)
         return RequestState(
             job=job, scheduler=sched, timesteps=sched.timesteps, latents=latents,
             embeds=torch.from_numpy(job.prompt_embeds).to(self.device, self.dtype),
             pooled=torch.from_numpy(job.pooled_embeds).to(self.device, self.dtype),
-            time_ids=time_ids, step_kwargs=step_kwargs)
+            time_ids=time_ids, step_kwargs=step_kwargs, controls=controls)
 
     @torch.inference_mode()
     def step(self, states: list[RequestState]) -> None:
@@ -110,11 +122,12 @@ class TorchDenoiser:
             x = torch.cat([s.latents] * s.rows)
             inputs.append(s.scheduler.scale_model_input(x, t))
             timesteps.append(t.to(torch.float32).expand(s.rows))
-        sample = torch.cat(inputs)
+        sample, timestep = torch.cat(inputs), torch.cat(timesteps)
         embeds = torch.cat([s.embeds for s in states])
-        emb, mid, skips = self.encoder(sample, torch.cat(timesteps), embeds,
+        emb, mid, skips = self.encoder(sample, timestep, embeds,
                                        torch.cat([s.pooled for s in states]), torch.cat([s.time_ids for s in states]))
-        noise = self.decoder(emb, mid, skips, embeds)
+        down_res, mid_res = self._control_residuals(states, sample, timestep, skips, mid)
+        noise = self.decoder(emb, mid, skips, embeds, down_res, mid_res)
 
         for s, pred in zip(states, noise.split([s.rows for s in states])):
             if s.rows == 2:
@@ -124,6 +137,25 @@ class TorchDenoiser:
             s.latents = s.scheduler.step(pred, t, s.latents, **s.step_kwargs, return_dict=False)[0]
             s.index += 1
             s.max_batch = max(s.max_batch, len(states))
+
+    @staticmethod
+    def _control_residuals(states, sample, timestep, skips, mid):
+        """Residuals for the whole batch: each request's ControlNets on its rows, zeros elsewhere."""
+        if not any(s.controls for s in states):
+            return None, None
+        downs, mids, row = [], [], 0
+        for s in states:
+            rows = slice(row, row + s.rows)
+            row += s.rows
+
+            def zeros(rows=rows):
+                return [torch.zeros_like(k[rows]) for k in skips], torch.zeros_like(mid[rows])
+
+            d, m = residuals(s.controls, s.index, len(s.timesteps), sample[rows], timestep[rows], s.embeds,
+                             s.pooled, s.time_ids, zeros)
+            downs.append(d)
+            mids.append(m)
+        return [torch.cat(parts) for parts in zip(*downs)], torch.cat(mids)
 
     @staticmethod
     def result(state: RequestState) -> np.ndarray:
