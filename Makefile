@@ -29,7 +29,7 @@ $(DEMO)/model_index.json: $(STAMP)
 	rm -rf $(DEMO) && $(EASEL) tiny $(DEMO)
 
 demo: $(DEMO)/model_index.json
-	$(EASEL) export --model $(DEMO) --out $(REPO)
+	$(EASEL) export --model $(DEMO) --out $(REPO) --adapters $(DEMO)/adapters
 
 serve: demo
 	$(EASEL) serve --repo $(REPO)

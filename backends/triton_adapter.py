@@ -63,6 +63,12 @@ def artifact_folder(args: dict[str, Any]) -> Path:
     return folder
 
 
+def adapter_store_folder(args: dict[str, Any]) -> Path | None:
+    """The adapter store named by parameter `adapters` (relative to the repository root), if any."""
+    rel = parameters(args).get("adapters")
+    return (Path(args["model_repository"]).parent / rel).resolve() if rel else None
+
+
 def placement(args: dict[str, Any]) -> Placement:
     dtype = parameters(args).get("dtype", "fp32")
     if args.get("model_instance_kind") == "GPU":

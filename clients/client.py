@@ -36,6 +36,13 @@ class GenerateRequest:
     guidance_scale: float | None = None
     seed: int | None = None
     scheduler: str | None = None
+    # ControlNets: names with their images (PNG/JPEG bytes), one each; scales and guidance
+    # windows optional (all or none).
+    controlnets: tuple[str, ...] | None = None
+    control_images: tuple[bytes, ...] | None = None
+    control_scales: tuple[float, ...] | None = None
+    control_guidance_start: tuple[float, ...] | None = None
+    control_guidance_end: tuple[float, ...] | None = None
 
 
 # Input name -> (Triton datatype, numpy dtype); every input has dims [1].
@@ -48,6 +55,11 @@ INPUT_TYPES: dict[str, tuple[str, Any]] = {
     "guidance_scale": ("FP32", np.float32),
     "seed": ("INT64", np.int64),
     "scheduler": ("BYTES", np.object_),
+    "controlnets": ("BYTES", np.object_),
+    "control_images": ("BYTES", np.object_),
+    "control_scales": ("FP32", np.float32),
+    "control_guidance_start": ("FP32", np.float32),
+    "control_guidance_end": ("FP32", np.float32),
 }
 
 
@@ -88,10 +100,11 @@ def build_inputs(request: GenerateRequest, protocol: str = "http") -> list:
         if value is None:
             continue
         datatype, dtype = INPUT_TYPES[f.name]
+        values = list(value) if isinstance(value, (tuple, list)) else [value]
         if dtype is np.object_:
-            value = str(value).encode("utf-8")
-        arr = np.array([value], dtype=dtype)
-        tensor = mod.InferInput(f.name, [1], datatype)
+            values = [v if isinstance(v, bytes) else str(v).encode("utf-8") for v in values]
+        arr = np.array(values, dtype=dtype)
+        tensor = mod.InferInput(f.name, [len(values)], datatype)
         tensor.set_data_from_numpy(arr)
         inputs.append(tensor)
     return inputs
@@ -135,9 +148,10 @@ class EaselClient:
                  width: int | None = None, height: int | None = None,
                  steps: int | None = None, guidance_scale: float | None = None,
                  seed: int | None = None, scheduler: str | None = None,
-                 timeout_s: float | None = None) -> GenerateResult:
+                 timeout_s: float | None = None, **controls) -> GenerateResult:
+        """`controls`: controlnets, control_images, control_scales, control_guidance_start/end."""
         request = GenerateRequest(prompt, negative_prompt, width, height, steps,
-                                  guidance_scale, seed, scheduler)
+                                  guidance_scale, seed, scheduler, **controls)
         return self.run(request, timeout_s)
 
     def run(self, request: GenerateRequest, timeout_s: float | None = None) -> GenerateResult:

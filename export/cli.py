@@ -44,6 +44,10 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--generate-instances", type=int, default=8,
                      help="requests that can be in the denoisers at once")
     exp.add_argument("--max-batch-rows", type=int, default=16, help="UNet batch rows per denoising step")
+    exp.add_argument("--adapters", default=None, help="adapter store: DIR/controlnets/<name>/ (diffusers ControlNets)")
+    exp.add_argument("--max-controlnets", type=int, default=3, help="ControlNets a request may use")
+    exp.add_argument("--onnx", action="store_true",
+                     help="also export each component to ONNX (<model>/1/onnx/<component>.onnx)")
     return p
 
 
@@ -65,7 +69,8 @@ def main(argv: list[str] | None = None) -> int:
         options = ExportOptions(device=args.device, dtype=args.dtype, gpus=args.gpus, max_size=args.max_size,
                                 max_steps=args.max_steps, default_steps=args.default_steps,
                                 generate_instances=args.generate_instances, max_batch_rows=args.max_batch_rows,
-                                max_running=args.max_batch_rows)
+                                max_running=args.max_batch_rows, onnx=args.onnx, adapters=args.adapters,
+                                max_controlnets=args.max_controlnets)
         export_repository(args.model, args.out, options)
         return 0
     return 2

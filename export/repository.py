@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -39,6 +40,9 @@ class ExportOptions:
     generate_instances: int = 8  # requests that can wait on denoisers at once
     max_running: int = 16
     max_batch_rows: int = 16
+    adapters: str | None = None  # the adapter store (ControlNets) the denoisers read
+    max_controlnets: int = 3
+    onnx: bool = False  # also write <model>/1/onnx/<component>.onnx (export/onnx_export.py)
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -84,7 +88,8 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
     default_size = pipe.unet.config.sample_size * vae_scale_factor
     limits = Limits(default_width=default_size, default_height=default_size,
                     max_width=max(options.max_size, default_size), max_height=max(options.max_size, default_size),
-                    size_multiple=vae_scale_factor, default_steps=options.default_steps, max_steps=options.max_steps)
+                    size_multiple=vae_scale_factor, default_steps=options.default_steps, max_steps=options.max_steps,
+                    max_controlnets=options.max_controlnets)
     engine_params = {"dtype": dtype}
 
     # text_encoder: both CLIP encoders and tokenizers, as transformers folders.
@@ -115,7 +120,9 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
             (model / VERSION / VAE_SCALE_FACTOR_FILE).write_text(json.dumps({"vae_scale_factor": vae_scale_factor}))
         gpu = options.gpus[index] if options.device == "cuda" else None
         params = {**engine_params, "max_running": str(options.max_running),
-                  "max_batch_rows": str(options.max_batch_rows)}
+                  "max_batch_rows": str(options.max_batch_rows), "limits": limits.to_json()}
+        if options.adapters:  # relative to the repository root, so the pair can move together
+            params["adapters"] = os.path.relpath(Path(options.adapters).resolve(), repo.resolve())
         if index:
             params["artifacts"] = shared
         (model / "config.pbtxt").write_text(python_model(
@@ -141,6 +148,11 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
 
     model = _fresh_model_dir(repo, "easel")
     (model / "config.pbtxt").write_text(ensemble("easel"))
+    if options.onnx:
+        from .onnx_export import export_repository_onnx
+
+        export_repository_onnx(model_dir, repo, denoiser=names[0], version=VERSION)
+
     (repo / "easel_export.json").write_text(json.dumps(
         {"source": str(model_dir), "options": dataclasses.asdict(options), "limits": dataclasses.asdict(limits)},
         indent=2))

@@ -8,8 +8,11 @@ import pytest
 @pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory):
     from export.tiny import write_tiny_pipeline
+    from export.tiny_adapters import write_tiny_adapter_store
 
-    return write_tiny_pipeline(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+    path = write_tiny_pipeline(tmp_path_factory.mktemp("models") / "tiny", seed=0)
+    write_tiny_adapter_store(path)  # <tiny>/adapters: ControlNets "canny" and "depth"
+    return path
 
 
 @pytest.fixture(scope="session")

@@ -47,18 +47,27 @@ PUBLIC = ModelDecl(
         _t("guidance_scale", "FP32", 1, optional=True),
         _t("seed", "INT64", 1, optional=True),
         _t("scheduler", "BYTES", 1, optional=True),
+        # ControlNets: one name, image (PNG/JPEG) and optional scale/window per ControlNet.
+        _t("controlnets", "BYTES", -1, optional=True),
+        _t("control_images", "BYTES", -1, optional=True),
+        _t("control_scales", "FP32", -1, optional=True),
+        _t("control_guidance_start", "FP32", -1, optional=True),
+        _t("control_guidance_end", "FP32", -1, optional=True),
     ),
     outputs=(_t("image", "BYTES", 1), _t("info", "BYTES", 1)),
 )
 
 EMBEDS = (_t("prompt_embeds", "FP32", -1, -1, -1), _t("pooled_embeds", "FP32", -1, -1))
 LATENTS = _t("latents", "FP32", 1, -1, -1, -1)
+# Validated control images (encoded as the client sent them), possibly none: always present so
+# that every later step of the ensemble sees the tensor.
+CONTROL_IMAGES = _t("control_images", "BYTES", -1)
 PIXELS = _t("pixels", "UINT8", -1, -1, 3)
 
-PREPROCESS = ModelDecl(inputs=PUBLIC.inputs, outputs=(PARAMS,))
+PREPROCESS = ModelDecl(inputs=PUBLIC.inputs, outputs=(PARAMS, CONTROL_IMAGES))
 TEXT_ENCODER = ModelDecl(inputs=(PARAMS,), outputs=(PARAMS, *EMBEDS))
-GENERATE = ModelDecl(inputs=(PARAMS, *EMBEDS), outputs=(PARAMS, LATENTS))
-DENOISER = ModelDecl(inputs=(PARAMS, *EMBEDS), outputs=(PARAMS, LATENTS))
+GENERATE = ModelDecl(inputs=(PARAMS, *EMBEDS, CONTROL_IMAGES), outputs=(PARAMS, LATENTS))
+DENOISER = ModelDecl(inputs=(PARAMS, *EMBEDS, CONTROL_IMAGES), outputs=(PARAMS, LATENTS))
 VAE_DECODER = ModelDecl(inputs=(PARAMS, LATENTS), outputs=(PARAMS, PIXELS))
 POSTPROCESS = ModelDecl(inputs=(PARAMS, PIXELS), outputs=PUBLIC.outputs)
 

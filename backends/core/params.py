@@ -51,6 +51,8 @@ class Limits:
     max_guidance_scale: float = 50.0
     default_scheduler: str = "default"
     max_prompt_bytes: int = 16384
+    max_controlnets: int = 3
+    max_control_image_pixels: int = 4096 * 4096
 
     @classmethod
     def from_json(cls, text: str) -> "Limits":
@@ -58,6 +60,16 @@ class Limits:
 
     def to_json(self) -> str:
         return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+
+@dataclass(frozen=True)
+class ControlParams:
+    """One ControlNet of a request (its image travels beside the params, by index)."""
+
+    name: str
+    scale: float = 1.0
+    guidance_start: float = 0.0
+    guidance_end: float = 1.0
 
 
 @dataclass(frozen=True)
@@ -70,6 +82,7 @@ class GenerateParams:
     guidance_scale: float
     seed: int
     scheduler: str
+    controls: tuple[ControlParams, ...] = ()
     # Stage timings and other facts that travel with the request into `info`.
     trace: dict[str, Any] = field(default_factory=dict)
 
@@ -83,7 +96,10 @@ class GenerateParams:
 
     @classmethod
     def from_json(cls, data: bytes | str) -> "GenerateParams":
-        return strict_from_dict(cls, json.loads(data), "params")
+        fields = json.loads(data)
+        fields["controls"] = tuple(strict_from_dict(ControlParams, c, "params.controls")
+                                   for c in fields.get("controls", ()))
+        return strict_from_dict(cls, fields, "params")
 
     def with_trace(self, **entries: Any) -> "GenerateParams":
         return dataclasses.replace(self, trace={**self.trace, **entries})

@@ -25,11 +25,15 @@ import uuid  # noqa: E402
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
+from backends.core.adapter_store import AdapterStore  # noqa: E402
+from backends.core.control_inputs import decode_control_image  # noqa: E402
+from backends.core.controlnet import ControlInput, ControlNetBank  # noqa: E402
 from backends.core.denoise_engine import DenoiseJob, TorchDenoiser  # noqa: E402
+from backends.core.params import Limits  # noqa: E402
 from backends.core.denoise_loop import DenoiseLoop, DenoiseResult  # noqa: E402
 from backends.core.step_scheduler import SchedulerConfig  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
-    artifact_folder, error, parameters, params_tensor, placement, read_params, setup_logging)
+    adapter_store_folder, artifact_folder, error, parameters, params_tensor, placement, read_params, setup_logging)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -44,7 +48,11 @@ class TritonPythonModel:
         self.outbox: queue.Queue[DenoiseResult | None] = queue.Queue()
         self.sender = threading.Thread(target=self._send_loop, name="easel-denoise-sender", daemon=True)
         self.sender.start()
-        self.loop = DenoiseLoop(TorchDenoiser(artifact_folder(args), placement(args)), self.outbox.put, config)
+        where = placement(args)
+        store = adapter_store_folder(args)
+        self.limits = Limits.from_json(params["limits"])
+        bank = ControlNetBank(AdapterStore(store), where) if store else None
+        self.loop = DenoiseLoop(TorchDenoiser(artifact_folder(args), where, bank), self.outbox.put, config)
         self.loop.start()
 
     def execute(self, requests):
@@ -56,13 +64,19 @@ class TritonPythonModel:
                     request_id=uuid.uuid4().hex, params=params,
                     prompt_embeds=pb_utils.get_input_tensor_by_name(request, "prompt_embeds").as_numpy(),
                     pooled_embeds=pb_utils.get_input_tensor_by_name(request, "pooled_embeds").as_numpy(),
-                    is_cancelled=sender.is_cancelled)
+                    is_cancelled=sender.is_cancelled, controls=self._controls(request, params))
             except Exception as exc:
                 sender.send(error(f"denoiser: {exc}"), flags=FINAL)
                 continue
             self.pending[job.request_id] = (sender, params)
             self.loop.submit(job)
         return None
+
+    def _controls(self, request, params):
+        images = pb_utils.get_input_tensor_by_name(request, "control_images").as_numpy().reshape(-1)
+        return [ControlInput(c.name, decode_control_image(images[i], self.limits.max_control_image_pixels, i),
+                             c.scale, c.guidance_start, c.guidance_end)
+                for i, c in enumerate(params.controls)]
 
     def _send_loop(self):
         while (result := self.outbox.get()) is not None:

@@ -14,8 +14,12 @@ sys.path[:] = [p for p in sys.path if p not in _own] + _own
 
 import time  # noqa: E402
 
+import numpy as np  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
 from backends.core.contract import PREPROCESS  # noqa: E402
-from backends.core.params import Limits, validate  # noqa: E402
+from backends.core.control_inputs import validate_request  # noqa: E402
+from backends.core.params import Limits  # noqa: E402
 from backends.triton_adapter import each_request, parameters, params_tensor, read_inputs, scalar, setup_logging  # noqa: E402
 
 
@@ -28,5 +32,15 @@ class TritonPythonModel:
         return each_request(requests, self._validate, "preprocess")
 
     def _validate(self, request):
-        raw = {name: scalar(value) for name, value in read_inputs(request, PREPROCESS).items()}
-        return [params_tensor(validate(raw, self.limits).with_trace(received_at=time.time()))]
+        raw = {name: _value(value, PREPROCESS.input(name).dims)
+               for name, value in read_inputs(request, PREPROCESS).items()}
+        params = validate_request(raw, self.limits).with_trace(received_at=time.time())
+        images = np.array(raw["control_images"] or [], dtype=np.object_)
+        return [params_tensor(params), pb_utils.Tensor("control_images", images)]
+
+
+def _value(array, dims):
+    """A [1] input as its one element, a [-1] input as a list; None when absent."""
+    if dims == (1,):
+        return scalar(array)
+    return None if array is None else array.reshape(-1).tolist()

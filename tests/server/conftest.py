@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from clients.client import EaselClient
@@ -13,7 +15,9 @@ OPTIONS = ExportOptions(device="cpu", max_size=256, max_steps=50, default_steps=
 
 
 def start_server(model, repo):
-    export_repository(model, repo, OPTIONS)
+    adapters = model / "adapters"
+    options = dataclasses.replace(OPTIONS, adapters=str(adapters) if adapters.is_dir() else None)
+    export_repository(model, repo, options)
     return TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=300).start()
 
 

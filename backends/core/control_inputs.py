@@ -1,0 +1,84 @@
+"""A request's ControlNet inputs, validated: names, images, scales and guidance windows.
+
+Torch-free: `preprocess` checks everything here so that a bad input fails before any GPU work;
+the denoiser decodes the same images again with the same limits.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import io
+import math
+from typing import Any, Mapping, Sequence
+
+from .adapter_store import check_name
+from .params import ControlParams, GenerateParams, InvalidInput, Limits, validate
+
+MAX_SCALE = 10.0
+
+
+def decode_control_image(data: bytes, max_pixels: int, index: int):
+    """PNG/JPEG bytes -> RGB PIL image, refusing what is over `max_pixels` before decoding it."""
+    from PIL import Image, UnidentifiedImageError
+
+    field = f"control_images[{index}]"
+    try:
+        image = Image.open(io.BytesIO(data))  # reads the header only
+    except Image.DecompressionBombError:  # PIL's own, far higher, limit
+        raise InvalidInput(field, f"is a decompression bomb, over the limit of {max_pixels} pixels") from None
+    except (UnidentifiedImageError, OSError, ValueError) as exc:
+        raise InvalidInput(field, f"is not a decodable image ({exc.__class__.__name__})") from None
+    if image.format not in ("PNG", "JPEG"):
+        raise InvalidInput(field, f"is {image.format}, not PNG or JPEG")
+    width, height = image.size
+    if width * height > max_pixels:  # a decompression bomb stops here, before the pixels exist
+        raise InvalidInput(field, f"is {width}x{height}, over the limit of {max_pixels} pixels")
+    try:
+        image.load()
+    except (OSError, ValueError, Image.DecompressionBombError) as exc:
+        raise InvalidInput(field, f"is not a decodable image ({exc})") from None
+    return image.convert("RGB")
+
+
+def _floats(values: Sequence[float] | None, n: int, default: float, field: str, lo: float, hi: float) -> list[float]:
+    if values is None or len(values) == 0:
+        return [default] * n
+    if len(values) != n:
+        raise InvalidInput(field, f"has {len(values)} values for {n} controlnets")
+    out = [float(v) for v in values]
+    for i, v in enumerate(out):
+        if not (lo <= v <= hi) or math.isnan(v):
+            raise InvalidInput(f"{field}[{i}]", f"{v:g} is outside [{lo:g}, {hi:g}]")
+    return out
+
+
+def validate_controls(names: Sequence[bytes] | None, images: Sequence[bytes] | None,
+                      scales: Sequence[float] | None, starts: Sequence[float] | None,
+                      ends: Sequence[float] | None, max_controlnets: int, max_pixels: int) -> list[ControlParams]:
+    names = [n.decode("utf-8", "replace") if isinstance(n, bytes) else str(n) for n in (names or [])]
+    images = list(images or [])
+    if len(names) > max_controlnets:
+        raise InvalidInput("controlnets", f"{len(names)} given, over the limit of {max_controlnets}")
+    if len(images) != len(names):
+        raise InvalidInput("control_images", f"has {len(images)} images for {len(names)} controlnets")
+    for i, name in enumerate(names):
+        check_name(f"controlnets[{i}]", name)
+    for i, data in enumerate(images):
+        decode_control_image(data, max_pixels, i)
+    n = len(names)
+    scales = _floats(scales, n, 1.0, "control_scales", 0.0, MAX_SCALE)
+    starts = _floats(starts, n, 0.0, "control_guidance_start", 0.0, 1.0)
+    ends = _floats(ends, n, 1.0, "control_guidance_end", 0.0, 1.0)
+    for i, (s, e) in enumerate(zip(starts, ends)):
+        if s >= e:
+            raise InvalidInput(f"control_guidance_start[{i}]", f"{s:g} is not below control_guidance_end {e:g}")
+    return [ControlParams(*args) for args in zip(names, scales, starts, ends)]
+
+
+def validate_request(raw: Mapping[str, Any], limits: Limits) -> GenerateParams:
+    """The whole public request: scalars (None where absent) plus the ControlNet lists."""
+    params = validate(raw, limits)
+    controls = validate_controls(raw.get("controlnets"), raw.get("control_images"), raw.get("control_scales"),
+                                 raw.get("control_guidance_start"), raw.get("control_guidance_end"),
+                                 limits.max_controlnets, limits.max_control_image_pixels)
+    return dataclasses.replace(params, controls=tuple(controls))
