@@ -34,14 +34,18 @@ class ExportOptions:
     device: str = "cpu"  # where the repository's engines run: cpu or cuda
     dtype: str | None = None  # fp32 | fp16 | bf16; default fp32 on cpu, fp16 on cuda
     gpus: tuple[int, ...] = (0,)  # one denoiser per GPU (cuda only)
+    cpu_denoisers: int = 1  # cpu only: several denoisers share the ControlNet service (tests)
     max_size: int = 2048
     max_steps: int = 150
     default_steps: int = 30
     generate_instances: int = 8  # requests that can wait on denoisers at once
     max_running: int = 16
     max_batch_rows: int = 16
-    adapters: str | None = None  # the adapter store (ControlNets) the denoisers read
+    adapters: str | None = None  # the adapter store: with it, the ControlNet service is exported
     max_controlnets: int = 3
+    controlnet_gpus: tuple[int, ...] | None = None  # the service's GPUs; default: the denoisers'
+    controlnet_instances: int = 2  # per GPU (or on CPU): ControlNets that run at once
+    controlnet_cache_gib: float = 16.0  # resident ControlNets per instance
     onnx: bool = False  # also write <model>/1/onnx/<component>.onnx (export/onnx_export.py)
 
     def __post_init__(self):
@@ -57,7 +61,14 @@ class ExportOptions:
         return self.dtype or ("fp16" if self.device == "cuda" else "fp32")
 
     def denoiser_names(self) -> list[str]:
-        return [f"denoiser_gpu{g}" for g in self.gpus] if self.device == "cuda" else ["denoiser"]
+        if self.device == "cuda":
+            return [f"denoiser_gpu{g}" for g in self.gpus]
+        return ["denoiser"] if self.cpu_denoisers == 1 else [f"denoiser_cpu{i}" for i in range(self.cpu_denoisers)]
+
+    def controlnet_instances_group(self) -> Instances:
+        if self.device == "cpu":
+            return Instances("KIND_CPU", self.controlnet_instances)
+        return Instances("KIND_GPU", self.controlnet_instances, tuple(self.controlnet_gpus or self.gpus))
 
     def instances(self, gpu: int | None = None, count: int = 1) -> Instances:
         if self.device == "cpu":
@@ -77,7 +88,7 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
     from diffusers import StableDiffusionXLPipeline
     from safetensors.torch import save_file
 
-    from backends.core.unet_split import split_unet
+    from backends.core.unet_split import num_skips, split_unet
 
     model_dir, repo = Path(model_dir), Path(out_dir)
     repo.mkdir(parents=True, exist_ok=True)
@@ -103,6 +114,14 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
     (model / "config.pbtxt").write_text(python_model(
         "text_encoder", "easel_text_encoder", contract.TEXT_ENCODER, options.instances(), engine_params))
 
+    if options.adapters:  # the ControlNet service, placed on its own GPUs (or the denoisers')
+        store = os.path.relpath(Path(options.adapters).resolve(), repo.resolve())  # moves with the repo
+        model = _fresh_model_dir(repo, "controlnet")
+        decl = contract.controlnet_decl(num_skips(pipe.unet), contract.WIRE_DTYPES[dtype])
+        (model / "config.pbtxt").write_text(python_model(
+            "controlnet", "easel_controlnet", decl, options.controlnet_instances_group(),
+            {"dtype": dtype, "adapters": store, "cache_bytes": str(int(options.controlnet_cache_gib * 2**30))}))
+
     # denoisers: the UNet's two halves once, in the first denoiser's folder; the others point there.
     names = options.denoiser_names()
     shared = f"{names[0]}/{VERSION}"
@@ -121,8 +140,8 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
         gpu = options.gpus[index] if options.device == "cuda" else None
         params = {**engine_params, "max_running": str(options.max_running),
                   "max_batch_rows": str(options.max_batch_rows), "limits": limits.to_json()}
-        if options.adapters:  # relative to the repository root, so the pair can move together
-            params["adapters"] = os.path.relpath(Path(options.adapters).resolve(), repo.resolve())
+        if options.adapters:
+            params.update(adapters=store, controlnet_model="controlnet")
         if index:
             params["artifacts"] = shared
         (model / "config.pbtxt").write_text(python_model(

@@ -71,6 +71,26 @@ DENOISER = ModelDecl(inputs=(PARAMS, *EMBEDS, CONTROL_IMAGES), outputs=(PARAMS, 
 VAE_DECODER = ModelDecl(inputs=(PARAMS, LATENTS), outputs=(PARAMS, PIXELS))
 POSTPROCESS = ModelDecl(inputs=(PARAMS, PIXELS), outputs=PUBLIC.outputs)
 
+
+
+WIRE_DTYPES = {"fp32": "FP32", "fp16": "FP16", "bf16": "BF16"}
+
+
+def controlnet_decl(num_skips: int, dtype: str = "FP32") -> ModelDecl:
+    """The ControlNet service: one ControlNet (by name) on one request's rows at one step.
+
+    `dtype` is the engines' (FP16 on GPUs): per step these tensors are large (hundreds of MB in
+    fp32 at 1024 px), so they cross in the engines' precision, on the device where they live."""
+    state = (_t("sample", dtype, -1, -1, -1, -1), _t("timestep", "FP32", -1),
+             _t("prompt_embeds", dtype, -1, -1, -1), _t("pooled_embeds", dtype, -1, -1),
+             _t("time_ids", dtype, -1, -1), _t("image", dtype, -1, 3, -1, -1))
+    return ModelDecl(
+        inputs=(_t("name", "BYTES", 1), _t("scale", "FP32", 1), *state),
+        outputs=(*(_t(f"down_{i}", dtype, -1, -1, -1, -1) for i in range(num_skips)),
+                 _t("mid", dtype, -1, -1, -1, -1)),
+    )
+
+
 # The ensemble's steps in order: (model, its declaration).
 PIPELINE = (
     ("preprocess", PREPROCESS),

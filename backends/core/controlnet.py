@@ -2,24 +2,25 @@
 
 Each ControlNet sees the same scaled latents, timestep, text embeddings and time ids as the UNet,
 plus its control image; its residuals are multiplied by its scale while the step lies inside its
-guidance window (diffusers' `controlnet_keep`) and summed over ControlNets as MultiControlNetModel
-does. Outside the window diffusers multiplies by zero; here the call is skipped and zeros are
-returned, which is the same value for less work.
+guidance window (diffusers' `controlnet_keep`) and summed over ControlNets in order, as
+MultiControlNetModel does. Outside the window diffusers multiplies by zero; here the call is
+skipped and zeros are used, the same value for less work.
 
-This is the in-process runner the denoiser uses today; the ControlNet service (its own Triton
-model with a GPU cache) will call the same `residuals` per step.
+Who computes residuals is a `ResidualProvider`: `LocalControlNets` in the denoiser's own process
+(tests, single-GPU deployments) or the ControlNet service reached by BLS (the Triton adapter's
+provider). The denoiser submits every call before its encoder half runs and collects the
+results before its decoder half, so ControlNets run beside the encoder.
 """
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any, Callable
+from typing import Any, Protocol
 
 import torch
 
-from .adapter_store import AdapterStore
-from .placement import Placement
+from .controlnet_cache import ControlNetCache
 
 
 @dataclass
@@ -35,7 +36,7 @@ class ControlInput:
 
 @dataclass
 class PreparedControl:
-    model: Any  # diffusers ControlNetModel
+    name: str
     image: torch.Tensor  # [rows, 3, H, W], the request's rows (duplicated for CFG)
     scale: float
     guidance_start: float
@@ -43,6 +44,56 @@ class PreparedControl:
 
     def keep(self, step: int, steps: int) -> bool:
         return not (step / steps < self.guidance_start or (step + 1) / steps > self.guidance_end)
+
+
+@dataclass(frozen=True)
+class ControlCall:
+    """Everything one ControlNet needs for one request's rows at one step."""
+
+    name: str
+    scale: float
+    image: torch.Tensor
+    sample: torch.Tensor
+    timestep: torch.Tensor
+    embeds: torch.Tensor
+    pooled: torch.Tensor
+    time_ids: torch.Tensor
+
+
+Residuals = tuple[list[torch.Tensor], torch.Tensor]
+
+
+class ResidualProvider(Protocol):
+    def submit(self, call: ControlCall) -> "Future[Residuals]": ...
+
+
+def run_controlnet(model, call: ControlCall) -> Residuals:
+    down, mid = model(call.sample, call.timestep, encoder_hidden_states=call.embeds, controlnet_cond=call.image,
+                      conditioning_scale=call.scale,
+                      added_cond_kwargs={"text_embeds": call.pooled, "time_ids": call.time_ids}, return_dict=False)
+    return list(down), mid
+
+
+class LocalControlNets:
+    """Computes residuals in this process, synchronously, from a ControlNetCache."""
+
+    def __init__(self, cache: ControlNetCache):
+        self.cache = cache
+
+    def check(self, name: str) -> None:
+        self.cache.store.controlnet(name)
+
+    @torch.inference_mode()
+    def submit(self, call: ControlCall) -> "Future[Residuals]":
+        future: Future[Residuals] = Future()
+        model = self.cache.acquire(call.name)
+        try:
+            future.set_result(run_controlnet(model, call))
+        except Exception as exc:
+            future.set_exception(exc)
+        finally:
+            self.cache.release(call.name)
+        return future
 
 
 def prepare_control_image(image, width: int, height: int, vae_scale_factor: int) -> torch.Tensor:
@@ -53,38 +104,12 @@ def prepare_control_image(image, width: int, height: int, vae_scale_factor: int)
     return processor.preprocess(image, height=height, width=width).to(torch.float32)
 
 
-class ControlNetBank:
-    """ControlNets loaded from the adapter store on first use and kept (the GPU cache with a
-    popularity policy replaces this in the ControlNet service)."""
-
-    def __init__(self, store: AdapterStore, placement: Placement):
-        self.store = store
-        self.placement = placement
-        self._loaded: dict[str, Any] = {}
-
-    def get(self, name: str):
-        if name not in self._loaded:
-            from diffusers import ControlNetModel
-
-            entry = self.store.controlnet(name)
-            model = ControlNetModel.from_pretrained(Path(entry.folder), use_safetensors=True)
-            self._loaded[name] = model.to(self.placement.device, self.placement.torch_dtype).eval()
-        return self._loaded[name]
-
-
-def residuals(controls: list[PreparedControl], step: int, steps: int, sample, timestep, embeds, pooled, time_ids,
-              zeros: Callable[[], tuple[list[torch.Tensor], torch.Tensor]]):
-    """Summed (down residuals, mid residual) of a request's ControlNets at `step` of `steps`."""
-    down, mid = None, None
-    for control in controls:
-        if not control.keep(step, steps):
-            continue
-        d, m = control.model(sample, timestep, encoder_hidden_states=embeds, controlnet_cond=control.image,
-                             conditioning_scale=control.scale,
-                             added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}, return_dict=False)
-        if down is None:
-            down, mid = list(d), m
-        else:
-            down = [a + b for a, b in zip(down, d)]
-            mid = mid + m
-    return zeros() if down is None else (down, mid)
+def sum_residuals(results: list[Residuals]) -> Residuals | None:
+    """MultiControlNetModel's sum, in the ControlNets' order."""
+    if not results:
+        return None
+    down, mid = results[0]
+    for d, m in results[1:]:
+        down = [a + b for a, b in zip(down, d)]
+        mid = mid + m
+    return down, mid

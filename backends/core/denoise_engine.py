@@ -20,7 +20,7 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from .artifacts import load_unet_halves
-from .controlnet import ControlInput, ControlNetBank, PreparedControl, prepare_control_image, residuals
+from .controlnet import ControlCall, ControlInput, PreparedControl, ResidualProvider, prepare_control_image, sum_residuals
 from .placement import Placement
 from .params import GenerateParams
 from .schedulers import make_scheduler
@@ -61,7 +61,7 @@ class RequestState:
 
 
 class TorchDenoiser:
-    def __init__(self, folder: str | Path, placement: Placement, controlnets: ControlNetBank | None = None):
+    def __init__(self, folder: str | Path, placement: Placement, controlnets: ResidualProvider | None = None):
         folder = Path(folder)
         self.placement = placement
         self.device = torch.device(placement.device)
@@ -101,9 +101,10 @@ class TorchDenoiser:
             raise ValueError("controlnets: this denoiser has no adapter store")
         controls = []
         for c in job.controls:
+            self.controlnets.check(c.name)  # unknown names fail here, before any step
             image = prepare_control_image(c.image, p.width, p.height, self.vae_scale_factor)
-            controls.append(PreparedControl(self.controlnets.get(c.name), torch.cat([image] * rows).to(
-                self.device, self.dtype), c.scale, c.guidance_start, c.guidance_end))
+            controls.append(PreparedControl(c.name, torch.cat([image] * rows).to(self.device, self.dtype),
+                                            c.scale, c.guidance_start, c.guidance_end))
 
         time_ids = torch.tensor([[p.height, p.width, 0, 0, p.height, p.width]], dtype=self.dtype,
                                 device=self.device).repeat(rows, 1)
@@ -114,8 +115,9 @@ class TorchDenoiser:
             time_ids=time_ids, step_kwargs=step_kwargs, controls=controls)
 
     @torch.inference_mode()
-    def step(self, states: list[RequestState]) -> None:
-        """One denoising step for requests of one latent shape, as one UNet batch."""
+    def step(self, states: list[RequestState]) -> dict[str, str]:
+        """One denoising step for requests of one latent shape, as one UNet batch. Returns the
+        requests that failed (id -> why); the others have advanced."""
         inputs, timesteps = [], []
         for s in states:
             t = s.timesteps[s.index]
@@ -124,12 +126,16 @@ class TorchDenoiser:
             timesteps.append(t.to(torch.float32).expand(s.rows))
         sample, timestep = torch.cat(inputs), torch.cat(timesteps)
         embeds = torch.cat([s.embeds for s in states])
+        pending = self._submit_controls(states, sample, timestep)  # run beside the encoder half
         emb, mid, skips = self.encoder(sample, timestep, embeds,
                                        torch.cat([s.pooled for s in states]), torch.cat([s.time_ids for s in states]))
-        down_res, mid_res = self._control_residuals(states, sample, timestep, skips, mid)
+        failed: dict[str, str] = {}
+        down_res, mid_res = self._collect_controls(states, pending, skips, mid, failed)
         noise = self.decoder(emb, mid, skips, embeds, down_res, mid_res)
 
         for s, pred in zip(states, noise.split([s.rows for s in states])):
+            if s.job.request_id in failed:
+                continue
             if s.rows == 2:
                 uncond, text = pred.chunk(2)
                 pred = uncond + s.job.params.guidance_scale * (text - uncond)
@@ -137,24 +143,37 @@ class TorchDenoiser:
             s.latents = s.scheduler.step(pred, t, s.latents, **s.step_kwargs, return_dict=False)[0]
             s.index += 1
             s.max_batch = max(s.max_batch, len(states))
+        return failed
 
-    @staticmethod
-    def _control_residuals(states, sample, timestep, skips, mid):
-        """Residuals for the whole batch: each request's ControlNets on its rows, zeros elsewhere."""
-        if not any(s.controls for s in states):
-            return None, None
-        downs, mids, row = [], [], 0
+    def _submit_controls(self, states, sample, timestep):
+        """Every ControlNet call of this step whose guidance window is open, per request, in order."""
+        pending, row = [], 0
         for s in states:
             rows = slice(row, row + s.rows)
             row += s.rows
+            pending.append([self.controlnets.submit(ControlCall(
+                c.name, c.scale, c.image, sample[rows], timestep[rows], s.embeds, s.pooled, s.time_ids))
+                for c in s.controls if c.keep(s.index, len(s.timesteps))])
+        return pending
 
-            def zeros(rows=rows):
-                return [torch.zeros_like(k[rows]) for k in skips], torch.zeros_like(mid[rows])
-
-            d, m = residuals(s.controls, s.index, len(s.timesteps), sample[rows], timestep[rows], s.embeds,
-                             s.pooled, s.time_ids, zeros)
-            downs.append(d)
-            mids.append(m)
+    @staticmethod
+    def _collect_controls(states, pending, skips, mid, failed):
+        """Residuals for the whole batch: each request's summed ControlNets on its rows, zeros elsewhere."""
+        if not any(pending):
+            return None, None
+        downs, mids, row = [], [], 0
+        for s, futures in zip(states, pending):
+            rows = slice(row, row + s.rows)
+            row += s.rows
+            try:
+                summed = sum_residuals([f.result() for f in futures])
+            except Exception as exc:  # this request's ControlNet failed: it alone leaves
+                failed[s.job.request_id] = f"controlnet: {exc}"
+                summed = None
+            if summed is None:
+                summed = [torch.zeros_like(k[rows]) for k in skips], torch.zeros_like(mid[rows])
+            downs.append(summed[0])
+            mids.append(summed[1])
         return [torch.cat(parts) for parts in zip(*downs)], torch.cat(mids)
 
     @staticmethod

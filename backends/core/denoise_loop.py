@@ -72,8 +72,7 @@ class DenoiseLoop:
                 continue
             batch = [self.states[rid] for rid in plan.request_ids]
             try:
-                self.engine.step(batch)
-                output = StepOutput()
+                output = StepOutput(failed=self.engine.step(batch))
             except Exception as exc:  # one bad step fails its batch, not the server
                 log.exception("denoising step failed for %s", plan.request_ids)
                 output = StepOutput(failed={rid: f"denoising step failed: {exc}" for rid in plan.request_ids})

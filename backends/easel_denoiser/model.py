@@ -27,7 +27,10 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from backends.core.adapter_store import AdapterStore  # noqa: E402
 from backends.core.control_inputs import decode_control_image  # noqa: E402
-from backends.core.controlnet import ControlInput, ControlNetBank  # noqa: E402
+from backends.bls_controlnets import BlsControlNets  # noqa: E402
+from backends.core.contract import WIRE_DTYPES, controlnet_decl  # noqa: E402
+from backends.core.controlnet import ControlInput  # noqa: E402
+from backends.core.unet_split import num_skips  # noqa: E402
 from backends.core.denoise_engine import DenoiseJob, TorchDenoiser  # noqa: E402
 from backends.core.params import Limits  # noqa: E402
 from backends.core.denoise_loop import DenoiseLoop, DenoiseResult  # noqa: E402
@@ -51,8 +54,11 @@ class TritonPythonModel:
         where = placement(args)
         store = adapter_store_folder(args)
         self.limits = Limits.from_json(params["limits"])
-        bank = ControlNetBank(AdapterStore(store), where) if store else None
-        self.loop = DenoiseLoop(TorchDenoiser(artifact_folder(args), where, bank), self.outbox.put, config)
+        engine = TorchDenoiser(artifact_folder(args), where)
+        if params.get("controlnet_model"):  # the ControlNet service, by BLS
+            decl = controlnet_decl(num_skips(engine.unet), WIRE_DTYPES[where.dtype])
+            engine.controlnets = BlsControlNets(params["controlnet_model"], decl, AdapterStore(store))
+        self.loop = DenoiseLoop(engine, self.outbox.put, config)
         self.loop.start()
 
     def execute(self, requests):
@@ -92,5 +98,7 @@ class TritonPythonModel:
 
     def finalize(self):
         self.loop.shutdown()
+        if self.loop.engine.controlnets is not None:
+            self.loop.engine.controlnets.shutdown()
         self.outbox.put(None)
         self.sender.join(timeout=30)

@@ -1,0 +1,98 @@
+"""Triton adapter of the ControlNet service: one ControlNet on one request's rows at one step.
+
+Its own model with its own instance_group, so ControlNets are placed independently of the UNet
+(their own GPUs, or beside it) and several run at once, one per instance. Each instance keeps
+the most used ControlNets resident (backends/core/controlnet_cache.py) and reports hits,
+misses, load time and its resident set as Prometheus metrics on Triton's metrics port.
+"""
+
+import os
+import site
+import sys
+
+# The stub's interpreter ignores PYTHONPATH: add its folders (with their .pth files) ahead of
+# the interpreter's own site-packages, as PYTHONPATH would, so the deployment's numpy wins.
+_own = list(sys.path)
+for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
+    if _p:
+        site.addsitedir(_p)
+sys.path[:] = [p for p in sys.path if p not in _own] + _own
+
+import torch  # noqa: E402
+import triton_python_backend_utils as pb_utils  # noqa: E402
+
+from backends.bls_controlnets import to_triton  # noqa: E402
+from backends.core.adapter_store import AdapterStore  # noqa: E402
+from backends.core.controlnet import ControlCall, run_controlnet  # noqa: E402
+from backends.core.controlnet_cache import ControlNetCache  # noqa: E402
+from backends.triton_adapter import (  # noqa: E402
+    adapter_store_folder, each_request, parameters, placement, scalar, setup_logging)
+
+
+def _tensor(request, name: str, device) -> torch.Tensor:
+    return torch.from_dlpack(pb_utils.get_input_tensor_by_name(request, name).to_dlpack()).to(device)
+
+
+class _Metrics:
+    """The cache's counters as Prometheus metrics, labelled by model instance."""
+
+    def __init__(self, args):
+        labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
+        counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
+        specs = {
+            "hits": ("easel_controlnet_cache_hits_total", "ControlNet calls served from the resident set", counter),
+            "misses": ("easel_controlnet_cache_misses_total", "ControlNet calls that loaded from the store", counter),
+            "evictions": ("easel_controlnet_cache_evictions_total", "ControlNets evicted", counter),
+            "load_seconds": ("easel_controlnet_load_seconds_total", "seconds spent loading ControlNets", counter),
+            "resident": ("easel_controlnet_resident", "ControlNets resident", gauge),
+            "resident_bytes": ("easel_controlnet_resident_bytes", "bytes of resident ControlNets", gauge),
+        }
+        # The families must outlive their metrics: Triton drops a metric whose family is gone.
+        self.families = {key: pb_utils.MetricFamily(name=name, description=desc, kind=kind)
+                         for key, (name, desc, kind) in specs.items()}
+        self.metrics = {key: family.Metric(labels=labels) for key, family in self.families.items()}
+        self.seen = {key: 0.0 for key in specs}
+
+    def update(self, cache: ControlNetCache) -> None:
+        resident = cache.resident
+        now = {"hits": cache.stats.hits, "misses": cache.stats.misses, "evictions": cache.stats.evictions,
+               "load_seconds": cache.stats.load_seconds}
+        for key, value in now.items():
+            if value > self.seen[key]:
+                self.metrics[key].increment(value - self.seen[key])
+                self.seen[key] = value
+        self.metrics["resident"].set(len(resident))
+        self.metrics["resident_bytes"].set(sum(resident.values()))
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        setup_logging()
+        params = parameters(args)
+        self.placement = placement(args)
+        self.device = torch.device(self.placement.device)
+        self.cache = ControlNetCache(AdapterStore(adapter_store_folder(args)), self.placement,
+                                     budget_bytes=int(params["cache_bytes"]))
+        self.metrics = _Metrics(args)
+
+    def execute(self, requests):
+        responses = each_request(requests, self._run, "controlnet")
+        self.metrics.update(self.cache)
+        return responses
+
+    @torch.inference_mode()
+    def _run(self, request):
+        name = scalar(pb_utils.get_input_tensor_by_name(request, "name").as_numpy()).decode()
+        scale = float(scalar(pb_utils.get_input_tensor_by_name(request, "scale").as_numpy()))
+        self.cache.store.controlnet(name)  # a clear error for a name the store does not hold
+        dtype = self.placement.torch_dtype
+        t = {n: _tensor(request, n, self.device) for n in
+             ("image", "sample", "timestep", "prompt_embeds", "pooled_embeds", "time_ids")}
+        call = ControlCall(name, scale, t["image"].to(dtype), t["sample"].to(dtype), t["timestep"],
+                           t["prompt_embeds"].to(dtype), t["pooled_embeds"].to(dtype), t["time_ids"].to(dtype))
+        model = self.cache.acquire(name)
+        try:
+            down, mid = run_controlnet(model, call)
+        finally:
+            self.cache.release(name)
+        return [*(to_triton(f"down_{i}", d) for i, d in enumerate(down)), to_triton("mid", mid)]
