@@ -44,6 +44,7 @@ FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 class TritonPythonModel:
     def initialize(self, args):
         setup_logging()
+        self.name = args["model_name"]
         params = parameters(args)
         config = SchedulerConfig(max_running=int(params.get("max_running", 16)),
                                  max_batch_rows=int(params.get("max_batch_rows", 16)))
@@ -91,7 +92,7 @@ class TritonPythonModel:
                 sender.send(error(f"denoiser: {result.error}"), flags=FINAL)
                 continue
             params = params.with_trace(queue_s=result.queue_s, denoise_s=result.denoise_s,
-                                       max_batch=result.max_batch)
+                                       max_batch=result.max_batch, denoiser=self.name)
             sender.send(pb_utils.InferenceResponse([
                 params_tensor(params), pb_utils.Tensor("latents", np.ascontiguousarray(result.latents))]),
                 flags=FINAL)

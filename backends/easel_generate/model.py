@@ -30,8 +30,12 @@ class TritonPythonModel:
         names = [n.strip() for n in parameters(args)["denoisers"].split(",") if n.strip()]
         if not names:
             raise ValueError("parameter denoisers names no model")
-        # Round robin over the denoisers (one per GPU); each batches what it receives.
-        self.denoisers = itertools.cycle(names)
+        # Round robin over the denoisers (one per GPU), each instance starting at its own index
+        # ("generate_0_<k>") so that concurrent requests, which land on different instances,
+        # spread over the denoisers too; each denoiser batches what it receives.
+        suffix = args["model_instance_name"].rsplit("_", 1)[-1]
+        start = int(suffix) % len(names) if suffix.isdigit() else 0
+        self.denoisers = itertools.cycle(names[start:] + names[:start])
 
     def execute(self, requests):
         return each_request(requests, self._generate, "generate")

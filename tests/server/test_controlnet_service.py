@@ -1,0 +1,71 @@
+"""One ControlNet service shared by two denoisers; its cache metrics; a broken ControlNet file
+fails its request alone."""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+
+from clients.client import EaselClient, EaselError
+from clients.serve import TritonServer
+from export.repository import export_repository
+from tests.server.conftest import OPTIONS
+from tests.server.test_controlnet import png
+from tests.server.test_exact import pixels
+
+
+@pytest.fixture(scope="module")
+def shared(tiny_model, tmp_path_factory):
+    root = tmp_path_factory.mktemp("shared")
+    store = root / "adapters"
+    shutil.copytree(tiny_model / "adapters", store)
+    broken = store / "controlnets" / "broken"
+    shutil.copytree(store / "controlnets" / "canny", broken)
+    weights = broken / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated
+    options = dataclasses.replace(OPTIONS, adapters=str(store), cpu_denoisers=2)
+    export_repository(tiny_model, root / "repo", options)
+    server = TritonServer(root / "repo", http_port=0, grpc_port=0, metrics_port=0, ready_timeout=300).start()
+    server.wait_ready()
+    yield server
+    server.stop()
+
+
+def metric(server, name: str) -> float:
+    text = urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=10).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+
+def test_two_denoisers_share_one_controlnet_service(shared, server):
+    req = dict(seed=3, steps=3, width=64, height=64, controlnets=("canny",), control_images=(png(5),))
+    with EaselClient(server.url_http) as single:  # the one-denoiser repository of conftest
+        expected = pixels(single.generate("a boat", **req))
+
+    def run(_):
+        with EaselClient(shared.url_http) as c:
+            return c.generate("a boat", **req)
+
+    with ThreadPoolExecutor(max_workers=6) as pool:
+        results = list(pool.map(run, range(6)))
+    assert {r.info["denoiser"] for r in results} == {"denoiser_cpu0", "denoiser_cpu1"}
+    for r in results:
+        assert int(abs(pixels(r).astype(int) - expected.astype(int)).max()) <= 1
+    # 6 requests x 3 steps x 2 ControlNet calls... one call per step: 18 calls, at most one miss per instance.
+    hits, misses = metric(shared, "easel_controlnet_cache_hits_total"), metric(shared, "easel_controlnet_cache_misses_total")
+    assert hits + misses == 18 and 1 <= misses <= 2
+    assert metric(shared, "easel_controlnet_resident") >= 1
+
+
+def test_broken_controlnet_file_fails_its_request_only(shared):
+    with EaselClient(shared.url_http) as c:
+        with pytest.raises(EaselError, match="controlnet"):
+            c.generate("a boat", seed=1, steps=2, width=64, height=64, controlnets=("broken",),
+                       control_images=(png(1),))
+        ok = c.generate("a boat", seed=1, steps=2, width=64, height=64, controlnets=("depth",),
+                        control_images=(png(1),))
+        assert ok.image().size == (64, 64)
+        assert c.is_ready()
