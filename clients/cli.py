@@ -78,6 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--guidance", type=float, metavar="G", help="classifier-free guidance scale")
     g.add_argument("--scheduler", metavar="NAME", help="sampler, e.g. euler, euler_a, ddim")
     g.add_argument("--timeout", type=float, metavar="S", help="request timeout in seconds")
+    g.add_argument("--controlnet", action="append", type=parse_controlnet, default=[],
+                   metavar="NAME:IMAGE[:SCALE]", help="a ControlNet and its control image (repeatable)")
 
     for name, text in EXPORT_COMMANDS.items():
         # Parsed by export.cli; registered here only so `easel --help` lists them.
@@ -163,12 +165,29 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return 1
 
 
+def parse_controlnet(text: str) -> tuple[str, Path, float]:
+    """'depth:depth.png' or 'depth:depth.png:0.8' -> (name, image path, scale)."""
+    parts = text.split(":")
+    if len(parts) not in (2, 3) or not parts[0] or not parts[1]:
+        raise argparse.ArgumentTypeError(f"--controlnet: {text!r} is not NAME:IMAGE[:SCALE]")
+    try:
+        scale = float(parts[2]) if len(parts) == 3 else 1.0
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--controlnet: scale {parts[2]!r} is not a number") from None
+    return parts[0], Path(parts[1]), scale
+
+
 def generate_kwargs(args: argparse.Namespace) -> dict:
     """EaselClient.generate keyword arguments from parsed `generate` options."""
     width, height = args.size if args.size else (None, None)
-    return dict(prompt=args.prompt, negative_prompt=args.negative, width=width,
-                height=height, steps=args.steps, guidance_scale=args.guidance,
-                seed=args.seed, scheduler=args.scheduler, timeout_s=args.timeout)
+    kwargs = dict(prompt=args.prompt, negative_prompt=args.negative, width=width,
+                  height=height, steps=args.steps, guidance_scale=args.guidance,
+                  seed=args.seed, scheduler=args.scheduler, timeout_s=args.timeout)
+    if args.controlnet:
+        names, images, scales = zip(*args.controlnet)
+        kwargs.update(controlnets=names, control_images=tuple(p.read_bytes() for p in images),
+                      control_scales=scales)
+    return kwargs
 
 
 def cmd_generate(args: argparse.Namespace) -> int:

@@ -120,3 +120,15 @@ def test_cli_imports_no_torch():
             "bad = [m for m in ('torch', 'diffusers', 'transformers') if m in sys.modules]; "
             "assert not bad, bad")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_controlnet_option(tmp_path):
+    image = tmp_path / "depth.png"
+    image.write_bytes(b"png bytes")
+    args = cli.build_parser().parse_args(
+        ["generate", "x", "-o", "o.png", "--controlnet", f"depth:{image}", "--controlnet", f"canny:{image}:0.5"])
+    kw = cli.generate_kwargs(args)
+    assert kw["controlnets"] == ("depth", "canny") and kw["control_scales"] == (1.0, 0.5)
+    assert kw["control_images"] == (b"png bytes", b"png bytes")
+    with pytest.raises(SystemExit):
+        cli.build_parser().parse_args(["generate", "x", "-o", "o.png", "--controlnet", "depth"])
