@@ -19,16 +19,18 @@ log = logging.getLogger(__name__)
 TINY_CONTROLNETS = ("canny", "depth")
 
 
-def write_tiny_controlnets(store: str | Path, unet, seed: int = 0, names=TINY_CONTROLNETS) -> list[Path]:
+def write_tiny_controlnets(store: str | Path, unet, seed: int = 0, names=TINY_CONTROLNETS,
+                           embedding_channels=(4, 8, 8, 16)) -> list[Path]:
+    """`embedding_channels`: the control image embedding (8x down); SDXL's is (16, 32, 96, 256),
+    which dwarfs a tiny UNet."""
     from diffusers import ControlNetModel
 
     written = []
     for index, name in enumerate(names):
-        with torch.random.fork_rng(devices=[]):
+        with torch.random.fork_rng(devices=[]), torch.device(unet.device):
             torch.manual_seed(seed * 16 + 8 + index)
-            # Small conditioning embedding (8x down, like SDXL): the default channels dwarf a tiny UNet.
             controlnet = ControlNetModel.from_unet(unet, conditioning_channels=3,
-                                                   conditioning_embedding_out_channels=(4, 8, 8, 16))
+                                                   conditioning_embedding_out_channels=embedding_channels)
             zero_convs = [*controlnet.controlnet_down_blocks, controlnet.controlnet_mid_block,
                           controlnet.controlnet_cond_embedding.conv_out]
             with torch.no_grad():
@@ -36,7 +38,7 @@ def write_tiny_controlnets(store: str | Path, unet, seed: int = 0, names=TINY_CO
                     conv.weight.normal_(0.0, 0.05)
                     conv.bias.normal_(0.0, 0.05)
         folder = Path(store) / CONTROLNET_DIR / name
-        controlnet.save_pretrained(folder, safe_serialization=True)
+        controlnet.to(unet.dtype).save_pretrained(folder, safe_serialization=True)
         written.append(folder)
     log.info("wrote tiny ControlNets %s to %s", list(names), store)
     return written

@@ -1,0 +1,191 @@
+"""ControlNet-as-a-Service on GPUs: e2e latency with 0, 1 and 2 ControlNets (SDXL-size UNet and
+ControlNets, random weights), with the ControlNet service on its own GPU and on the UNet's GPU,
+against diffusers' StableDiffusionXLControlNetPipeline (serial) in the same run.
+
+    python3 bench/controlnet_sdxl.py --work /tmp/easel-cn --out $OUT/controlnet_sdxl.json
+
+Needs two GPUs for the "own GPU" placement. Prints a summary and Gustafson's ideal speedup from
+the measured per-step parts (serial: decoder half; parallel: encoder half and ControlNets).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import io
+import json
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("bench.controlnet_sdxl")
+NAMES = ("canny", "depth")
+
+
+def control_png(size: int, seed: int) -> bytes:
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.random.default_rng(seed).integers(0, 256, (size, size, 3), dtype=np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def time_diffusers(model: Path, store: Path, size: int, steps: int, runs: int) -> dict[int, list[float]]:
+    import torch
+    from diffusers import (ControlNetModel, MultiControlNetModel, StableDiffusionXLControlNetPipeline,
+                           StableDiffusionXLPipeline)
+    from PIL import Image
+
+    base = StableDiffusionXLPipeline.from_pretrained(model, dtype=torch.float16, add_watermarker=False).to("cuda")
+    nets = [ControlNetModel.from_pretrained(store / "controlnets" / n, dtype=torch.float16).to("cuda") for n in NAMES]
+    images = [Image.open(io.BytesIO(control_png(size, i))) for i in range(len(NAMES))]
+    out: dict[int, list[float]] = {}
+    for count in (0, 1, 2):
+        if count == 0:
+            pipe, extra = base, {}
+        else:
+            cn = nets[0] if count == 1 else MultiControlNetModel(nets[:count])
+            pipe = StableDiffusionXLControlNetPipeline(**base.components, controlnet=cn, add_watermarker=False)
+            extra = {"image": images[0] if count == 1 else images[:count]}
+        pipe.set_progress_bar_config(disable=True)
+        pipe("warm up", width=size, height=size, num_inference_steps=2, **extra)
+        out[count] = []
+        for i in range(runs):
+            torch.cuda.synchronize()
+            start = time.perf_counter()
+            pipe("a house", width=size, height=size, num_inference_steps=steps,
+                 generator=torch.Generator("cpu").manual_seed(i), **extra)
+            torch.cuda.synchronize()
+            out[count].append(time.perf_counter() - start)
+    del base, nets, pipe
+    torch.cuda.empty_cache()
+    return out
+
+
+def time_server(repo: Path, size: int, steps: int, runs: int) -> dict[int, dict]:
+    from clients.client import EaselClient
+    from clients.serve import TritonServer
+
+    images = tuple(control_png(size, i) for i in range(len(NAMES)))
+    out: dict[int, dict] = {}
+    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=900) as server:
+        with EaselClient(server.url_grpc, protocol="grpc") as client:  # the GPU image lacks gevent (HTTP)
+            for count in (0, 1, 2):
+                controls = dict(controlnets=NAMES[:count], control_images=images[:count]) if count else {}
+                client.generate("warm up", width=size, height=size, steps=2, seed=0, **controls)
+                latencies, infos = [], []
+                for i in range(runs):
+                    start = time.perf_counter()
+                    infos.append(client.generate("a house", width=size, height=size, steps=steps, seed=i,
+                                                 **controls).info)
+                    latencies.append(time.perf_counter() - start)
+                out[count] = {"e2e_s": latencies, "denoise_s": [i["stages_s"]["denoise_s"] for i in infos]}
+    return out
+
+
+def step_parts(model: Path, store: Path, size: int) -> dict[str, float]:
+    """Per-step times of the parts (CUDA events, batch 2 = one CFG step): for Gustafson's law."""
+    import torch
+    from diffusers import ControlNetModel, UNet2DConditionModel
+
+    from backends.core.unet_split import split_unet
+
+    unet = UNet2DConditionModel.from_pretrained(model / "unet", dtype=torch.float16).to("cuda").eval()
+    cn = ControlNetModel.from_pretrained(store / "controlnets" / NAMES[0], dtype=torch.float16).to("cuda").eval()
+    enc, dec = split_unet(unet)
+    h = size // 8
+    x = torch.randn(2, 4, h, h, device="cuda", dtype=torch.float16)
+    t = torch.tensor([500.0, 500.0], device="cuda")
+    ehs = torch.randn(2, 77, 2048, device="cuda", dtype=torch.float16)
+    cond = dict(text_embeds=torch.randn(2, 1280, device="cuda", dtype=torch.float16),
+                time_ids=torch.randn(2, 6, device="cuda", dtype=torch.float16))
+    img = torch.rand(2, 3, size, size, device="cuda", dtype=torch.float16)
+
+    def timed(fn, reps=10):
+        with torch.inference_mode():
+            for _ in range(3):
+                fn()
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            for _ in range(reps):
+                fn()
+            end.record()
+            torch.cuda.synchronize()
+            return start.elapsed_time(end) / reps / 1000
+
+    with torch.inference_mode():
+        emb, mid, skips = enc(x, t, ehs, cond["text_embeds"], cond["time_ids"])
+    parts = {
+        "encoder_s": timed(lambda: enc(x, t, ehs, cond["text_embeds"], cond["time_ids"])),
+        "decoder_s": timed(lambda: dec(emb, mid, skips, ehs)),
+        "controlnet_s": timed(lambda: cn(x, t, encoder_hidden_states=ehs, controlnet_cond=img,
+                                         added_cond_kwargs=cond, return_dict=False)),
+    }
+    del unet, cn
+    torch.cuda.empty_cache()
+    return parts
+
+
+def gustafson(parts: dict[str, float], count: int) -> float:
+    """Ideal speedup of running encoder + `count` ControlNets in parallel (one GPU each) over serial."""
+    serial = parts["encoder_s"] + count * parts["controlnet_s"] + parts["decoder_s"]
+    parallel = max(parts["encoder_s"], parts["controlnet_s"] if count else 0.0) + parts["decoder_s"]
+    return serial / parallel
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--work", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--size", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--gpus", type=int, default=2, help="2: ControlNets on their own GPU as well")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    from export.repository import ExportOptions, export_repository
+    from export.tiny import write_tiny_pipeline
+    from export.tiny_adapters import write_tiny_controlnets
+
+    model, store = args.work / "sdxl-random", args.work / "adapters"
+    if not (model / "model_index.json").exists():
+        write_tiny_pipeline(model, seed=0, variant="sdxl", device="cuda", dtype="fp16")
+    if not (store / "controlnets" / NAMES[-1]).exists():
+        unet = UNet2DConditionModel.from_pretrained(model / "unet", dtype=torch.float16).to("cuda")
+        write_tiny_controlnets(store, unet, names=NAMES, embedding_channels=(16, 32, 96, 256))
+        del unet
+        torch.cuda.empty_cache()
+
+    report = {"size": args.size, "steps": args.steps, "runs": args.runs, "dtype": "fp16"}
+    report["step_parts_s"] = parts = step_parts(model, store, args.size)
+    report["gustafson_ideal"] = {c: gustafson(parts, c) for c in (1, 2)}
+    report["diffusers"] = time_diffusers(model, store, args.size, args.steps, args.runs)
+    base = ExportOptions(device="cuda", dtype="fp16", gpus=(0,), max_size=args.size, adapters=str(store),
+                         controlnet_instances=2, controlnet_cache_gib=32)
+    placements = {"same_gpu": (0,)} | ({"own_gpu": (1,)} if args.gpus > 1 else {})
+    for label, cn_gpus in placements.items():
+        repo = args.work / f"repo-{label}"
+        export_repository(model, repo, dataclasses.replace(base, controlnet_gpus=cn_gpus))
+        report[label] = time_server(repo, args.size, args.steps, args.runs)
+
+    med = statistics.median
+    for label in ("diffusers", *placements):
+        rows = report[label]
+        e2e = {c: med(rows[c] if label == "diffusers" else rows[c]["e2e_s"]) for c in (0, 1, 2)}
+        report.setdefault("summary", {})[label] = e2e
+        log.info("%-9s e2e median 0C %.3fs  1C %.3fs  2C %.3fs", label, e2e[0], e2e[1], e2e[2])
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2, default=str))
+    log.info("per step: %s; Gustafson ideal 1C %.2fx, 2C %.2fx", {k: round(v * 1000, 1) for k, v in parts.items()},
+             report["gustafson_ideal"][1], report["gustafson_ideal"][2])
+
+
+if __name__ == "__main__":
+    main()
