@@ -65,13 +65,14 @@ def time_diffusers(model: Path, store: Path, size: int, steps: int, runs: int) -
     return out
 
 
-def time_server(repo: Path, size: int, steps: int, runs: int) -> dict[int, dict]:
+def time_server(repo: Path, size: int, steps: int, runs: int, extra_args=()) -> dict[int, dict]:
     from clients.client import EaselClient
     from clients.serve import TritonServer
 
     images = tuple(control_png(size, i) for i in range(len(NAMES)))
     out: dict[int, dict] = {}
-    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=900) as server:
+    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=900,
+                      extra_args=tuple(extra_args)) as server:
         with EaselClient(server.url_grpc, protocol="grpc") as client:  # the GPU image lacks gevent (HTTP)
             for count in (0, 1, 2):
                 controls = dict(controlnets=NAMES[:count], control_images=images[:count]) if count else {}
@@ -144,6 +145,8 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--gpus", type=int, default=2, help="2: ControlNets on their own GPU as well")
+    p.add_argument("--cuda-pool-gib", type=int, default=0,
+                   help="Triton's CUDA memory pool per GPU; BLS tensors larger than the pool go through host memory")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
@@ -163,7 +166,8 @@ def main() -> None:
         del unet
         torch.cuda.empty_cache()
 
-    report = {"size": args.size, "steps": args.steps, "runs": args.runs, "dtype": "fp16"}
+    report = {"size": args.size, "steps": args.steps, "runs": args.runs, "dtype": "fp16",
+              "cuda_pool_gib": args.cuda_pool_gib}
     report["step_parts_s"] = parts = step_parts(model, store, args.size)
     report["gustafson_ideal"] = {c: gustafson(parts, c) for c in (1, 2)}
     report["diffusers"] = time_diffusers(model, store, args.size, args.steps, args.runs)
@@ -173,7 +177,8 @@ def main() -> None:
     for label, cn_gpus in placements.items():
         repo = args.work / f"repo-{label}"
         export_repository(model, repo, dataclasses.replace(base, controlnet_gpus=cn_gpus))
-        report[label] = time_server(repo, args.size, args.steps, args.runs)
+        pool = [f"--cuda-memory-pool-byte-size={g}:{args.cuda_pool_gib * 2**30}" for g in range(args.gpus)]
+        report[label] = time_server(repo, args.size, args.steps, args.runs, pool if args.cuda_pool_gib else ())
 
     med = statistics.median
     for label in ("diffusers", *placements):

@@ -14,7 +14,8 @@ from diffusers import (ControlNetModel, MultiControlNetModel, StableDiffusionXLC
 from PIL import Image
 
 from backends.core.adapter_store import AdapterStore
-from backends.core.controlnet import ControlInput, ControlNetBank
+from backends.core.controlnet import ControlInput, LocalControlNets
+from backends.core.controlnet_cache import ControlNetCache
 from backends.core.denoise_engine import DenoiseJob, TorchDenoiser
 from backends.core.params import Limits, validate
 from backends.core.placement import Placement
@@ -30,7 +31,8 @@ def setup(tiny_model, tmp_path_factory):
     root = tmp_path_factory.mktemp("cn")
     store = AdapterStore(write_tiny_adapter_store(tiny_model, root / "adapters"))
     repo = export_repository(tiny_model, root / "repo", ExportOptions())
-    engine = TorchDenoiser(repo / "denoiser" / "1", Placement(), ControlNetBank(store, Placement()))
+    engine = TorchDenoiser(repo / "denoiser" / "1", Placement(),
+                           LocalControlNets(ControlNetCache(store, Placement(), budget_bytes=2**30)))
     encoder = PromptEncoder(repo / "text_encoder" / "1", Placement())
     return tiny_model, store, engine, encoder
 
