@@ -52,6 +52,8 @@ def parser() -> argparse.ArgumentParser:
                      help="ControlNet service instances per GPU (or on CPU): ControlNets run at once")
     exp.add_argument("--controlnet-cache-gib", type=float, default=16.0,
                      help="memory for resident ControlNets per service instance")
+    exp.add_argument("--controlnet-mode", choices=("sync", "pipelined"), default="sync",
+                     help="pipelined: step t uses residuals of step t-1's latents (hides ControlNet time; approximate)")
     exp.add_argument("--onnx", action="store_true",
                      help="also export each component to ONNX (<model>/1/onnx/<component>.onnx)")
     return p
@@ -78,7 +80,7 @@ def main(argv: list[str] | None = None) -> int:
                                 max_running=args.max_batch_rows, onnx=args.onnx, adapters=args.adapters,
                                 max_controlnets=args.max_controlnets, controlnet_gpus=args.controlnet_gpus,
                                 controlnet_instances=args.controlnet_instances,
-                                controlnet_cache_gib=args.controlnet_cache_gib)
+                                controlnet_cache_gib=args.controlnet_cache_gib, controlnet_mode=args.controlnet_mode)
         export_repository(args.model, args.out, options)
         return 0
     return 2

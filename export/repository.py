@@ -46,6 +46,7 @@ class ExportOptions:
     controlnet_gpus: tuple[int, ...] | None = None  # the service's GPUs; default: the denoisers'
     controlnet_instances: int = 2  # per GPU (or on CPU): ControlNets that run at once
     controlnet_cache_gib: float = 16.0  # resident ControlNets per instance
+    controlnet_mode: str = "sync"  # or "pipelined" (approximate; see backends/core/denoise_engine.py)
     onnx: bool = False  # also write <model>/1/onnx/<component>.onnx (export/onnx_export.py)
 
     def __post_init__(self):
@@ -141,7 +142,7 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
         params = {**engine_params, "max_running": str(options.max_running),
                   "max_batch_rows": str(options.max_batch_rows), "limits": limits.to_json()}
         if options.adapters:
-            params.update(adapters=store, controlnet_model="controlnet")
+            params.update(adapters=store, controlnet_model="controlnet", controlnet_mode=options.controlnet_mode)
         if index:
             params["artifacts"] = shared
         (model / "config.pbtxt").write_text(python_model(

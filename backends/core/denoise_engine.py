@@ -26,6 +26,10 @@ from .params import GenerateParams
 from .schedulers import make_scheduler
 
 VAE_SCALE_FACTOR_FILE = "vae_scale_factor.json"
+# sync: step t's residuals come from step t's latents (exact). pipelined: step t uses the
+# residuals computed from step t-1's latents, so a ControlNet has a whole UNet step to arrive
+# (approximate; the first step waits).
+CONTROLNET_MODES = ("sync", "pipelined")
 
 
 @dataclass
@@ -54,6 +58,8 @@ class RequestState:
     controls: list[PreparedControl] = field(default_factory=list)
     index: int = 0
     max_batch: int = 1  # most requests it shared one step with (itself included)
+    # Pipelined ControlNets: the calls submitted at the previous step, used at this one.
+    stale_controls: list | None = None
 
     @property
     def rows(self) -> int:
@@ -61,8 +67,12 @@ class RequestState:
 
 
 class TorchDenoiser:
-    def __init__(self, folder: str | Path, placement: Placement, controlnets: ResidualProvider | None = None):
-        folder = Path(folder)
+    def __init__(self, folder: str | Path, placement: Placement, controlnets: ResidualProvider | None = None,
+                 controlnet_mode: str = "sync"):
+        if controlnet_mode not in CONTROLNET_MODES:
+            raise ValueError(f"controlnet_mode: {controlnet_mode!r} is not one of {CONTROLNET_MODES}")
+        self.controlnet_mode = controlnet_mode
+        self.folder = folder = Path(folder)
         self.placement = placement
         self.device = torch.device(placement.device)
         self.dtype = placement.torch_dtype
@@ -127,6 +137,8 @@ class TorchDenoiser:
         sample, timestep = torch.cat(inputs), torch.cat(timesteps)
         embeds = torch.cat([s.embeds for s in states])
         pending = self._submit_controls(states, sample, timestep)  # run beside the encoder half
+        if self.controlnet_mode == "pipelined":
+            pending = self._pipeline(states, pending)
         emb, mid, skips = self.encoder(sample, timestep, embeds,
                                        torch.cat([s.pooled for s in states]), torch.cat([s.time_ids for s in states]))
         failed: dict[str, str] = {}
@@ -155,6 +167,15 @@ class TorchDenoiser:
                 c.name, c.scale, c.image, sample[rows], timestep[rows], s.embeds, s.pooled, s.time_ids))
                 for c in s.controls if c.keep(s.index, len(s.timesteps))])
         return pending
+
+    @staticmethod
+    def _pipeline(states, pending):
+        """Use what the previous step submitted; keep this step's calls for the next one."""
+        used = []
+        for s, fresh in zip(states, pending):
+            used.append(fresh if s.stale_controls is None else s.stale_controls)
+            s.stale_controls = fresh
+        return used
 
     @staticmethod
     def _collect_controls(states, pending, skips, mid, failed):

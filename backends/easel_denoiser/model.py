@@ -55,7 +55,7 @@ class TritonPythonModel:
         where = placement(args)
         store = adapter_store_folder(args)
         self.limits = Limits.from_json(params["limits"])
-        engine = TorchDenoiser(artifact_folder(args), where)
+        engine = TorchDenoiser(artifact_folder(args), where, controlnet_mode=params.get("controlnet_mode", "sync"))
         if params.get("controlnet_model"):  # the ControlNet service, by BLS
             decl = controlnet_decl(num_skips(engine.unet), WIRE_DTYPES[where.dtype])
             engine.controlnets = BlsControlNets(params["controlnet_model"], decl, AdapterStore(store))
