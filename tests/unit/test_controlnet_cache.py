@@ -86,3 +86,18 @@ def test_a_failed_load_fails_that_call_only(tmp_path):
     with pytest.raises(OSError):  # not remembered as loaded
         c.acquire("broken")
     assert set(c.resident) == {"a"}
+
+
+def test_loads_real_controlnets_from_the_store_exactly(tiny_model):
+    import torch
+    from diffusers import ControlNetModel
+
+    store = AdapterStore(tiny_model / "adapters")
+    c = ControlNetCache(store, Placement(), budget_bytes=2**30)
+    ours = c.acquire("canny")
+    c.release("canny")
+    ref = ControlNetModel.from_pretrained(store.controlnet("canny").folder, use_safetensors=True)
+    ref_state = ref.state_dict()
+    assert ours.state_dict().keys() == ref_state.keys()
+    assert all(torch.equal(v, ref_state[k]) for k, v in ours.state_dict().items())
+    assert c.resident["canny"] == sum(v.numel() * v.element_size() for v in ref_state.values())
