@@ -20,6 +20,7 @@ sys.path[:] = [p for p in sys.path if p not in _own] + _own
 
 import torch  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
+from diffusers import ControlNetModel  # noqa: E402, F401  (pay the import when loading, not at the first miss)
 
 from backends.bls_controlnets import to_triton  # noqa: E402
 from backends.core.adapter_store import AdapterStore  # noqa: E402
