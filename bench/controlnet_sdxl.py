@@ -145,6 +145,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=50)
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--gpus", type=int, default=2, help="2: ControlNets on their own GPU as well")
+    p.add_argument("--skip-diffusers", action="store_true", help="no baseline (diagnostic runs only)")
     p.add_argument("--cuda-pool-gib", type=int, default=0,
                    help="Triton's CUDA memory pool per GPU; BLS tensors larger than the pool go through host memory")
     args = p.parse_args()
@@ -170,7 +171,8 @@ def main() -> None:
               "cuda_pool_gib": args.cuda_pool_gib}
     report["step_parts_s"] = parts = step_parts(model, store, args.size)
     report["gustafson_ideal"] = {c: gustafson(parts, c) for c in (1, 2)}
-    report["diffusers"] = time_diffusers(model, store, args.size, args.steps, args.runs)
+    if not args.skip_diffusers:
+        report["diffusers"] = time_diffusers(model, store, args.size, args.steps, args.runs)
     base = ExportOptions(device="cuda", dtype="fp16", gpus=(0,), max_size=args.size, adapters=str(store),
                          controlnet_instances=2, controlnet_cache_gib=32)
     placements = {"same_gpu": (0,)} | ({"own_gpu": (1,)} if args.gpus > 1 else {})
@@ -181,7 +183,7 @@ def main() -> None:
         report[label] = time_server(repo, args.size, args.steps, args.runs, pool if args.cuda_pool_gib else ())
 
     med = statistics.median
-    for label in ("diffusers", *placements):
+    for label in (() if args.skip_diffusers else ("diffusers",)) + tuple(placements):
         rows = report[label]
         e2e = {c: med(rows[c] if label == "diffusers" else rows[c]["e2e_s"]) for c in (0, 1, 2)}
         report.setdefault("summary", {})[label] = e2e
