@@ -69,3 +69,24 @@ def test_broken_controlnet_file_fails_its_request_only(shared):
                         control_images=(png(1),))
         assert ok.image().size == (64, 64)
         assert c.is_ready()
+
+
+def per_instance(server, name: str) -> dict[str, float]:
+    text = urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=10).read().decode()
+    out: dict[str, float] = {}
+    for line in text.splitlines():
+        if line.startswith(name + "{"):
+            instance = line.split('instance="', 1)[1].split('"', 1)[0]
+            out[instance] = out.get(instance, 0.0) + float(line.rsplit(" ", 1)[1])
+    return out
+
+
+def test_controlnets_of_one_request_spread_over_service_instances(shared):
+    before = {k: per_instance(shared, f"easel_controlnet_cache_{k}_total") for k in ("hits", "misses")}
+    with EaselClient(shared.url_http) as c:
+        c.generate("a boat", seed=2, steps=3, width=64, height=64, controlnets=("canny", "depth"),
+                   control_images=(png(1), png(2)))
+    after = {k: per_instance(shared, f"easel_controlnet_cache_{k}_total") for k in ("hits", "misses")}
+    calls = {i: sum(after[k].get(i, 0) - before[k].get(i, 0) for k in after) for i in after["hits"]}
+    # Both ControlNets of each step are submitted at once; the two instances take them together.
+    assert sum(calls.values()) == 6 and len([i for i, n in calls.items() if n > 0]) == 2, calls
