@@ -121,7 +121,10 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
         decl = contract.controlnet_decl(num_skips(pipe.unet), contract.WIRE_DTYPES[dtype])
         (model / "config.pbtxt").write_text(python_model(
             "controlnet", "easel_controlnet", decl, options.controlnet_instances_group(),
-            {"dtype": dtype, "adapters": store, "cache_bytes": str(int(options.controlnet_cache_gib * 2**30))}))
+            {"dtype": dtype, "adapters": store, "cache_bytes": str(int(options.controlnet_cache_gib * 2**30)),
+             # Keep the denoiser's GPU tensors on the GPU: by default the Python backend copies
+             # every input to host memory first (~100 MB a call at 1024 px).
+             "FORCE_CPU_ONLY_INPUT_TENSORS": "no"}))
 
     # denoisers: the UNet's two halves once, in the first denoiser's folder; the others point there.
     names = options.denoiser_names()

@@ -84,7 +84,7 @@ class TritonPythonModel:
     @torch.inference_mode()
     def _run(self, request):
         name = scalar(pb_utils.get_input_tensor_by_name(request, "name").as_numpy()).decode()
-        scale = float(scalar(pb_utils.get_input_tensor_by_name(request, "scale").as_numpy()))
+        scale = float(_tensor(request, "scale", "cpu").reshape(-1)[0])  # may arrive on either device
         self.cache.store.controlnet(name)  # a clear error for a name the store does not hold
         dtype = self.placement.torch_dtype
         t = {n: _tensor(request, n, self.device) for n in
