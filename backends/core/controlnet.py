@@ -64,6 +64,9 @@ Residuals = tuple[list[torch.Tensor], torch.Tensor]
 
 
 class ResidualProvider(Protocol):
+    def check(self, name: str) -> None:
+        """Raise InvalidInput for a name the adapter store does not hold."""
+
     def submit(self, call: ControlCall) -> "Future[Residuals]": ...
 
 

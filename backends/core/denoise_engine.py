@@ -20,7 +20,8 @@ import torch
 from diffusers.utils.torch_utils import randn_tensor
 
 from .artifacts import load_unet_halves
-from .controlnet import ControlCall, ControlInput, PreparedControl, ResidualProvider, prepare_control_image, sum_residuals
+from .controlnet import (ControlCall, ControlInput, PreparedControl, ResidualProvider, prepare_control_image,
+                         sum_residuals)
 from .placement import Placement
 from .params import GenerateParams
 from .schedulers import make_scheduler

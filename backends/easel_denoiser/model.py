@@ -25,16 +25,16 @@ import uuid  # noqa: E402
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from backends.core.adapter_store import AdapterStore  # noqa: E402
-from backends.core.control_inputs import decode_control_image  # noqa: E402
 from backends.bls_controlnets import BlsControlNets  # noqa: E402
+from backends.core.adapter_store import AdapterStore  # noqa: E402
 from backends.core.contract import WIRE_DTYPES, controlnet_decl  # noqa: E402
+from backends.core.control_inputs import decode_control_image  # noqa: E402
 from backends.core.controlnet import ControlInput  # noqa: E402
-from backends.core.unet_split import num_skips  # noqa: E402
 from backends.core.denoise_engine import DenoiseJob, TorchDenoiser  # noqa: E402
-from backends.core.params import Limits  # noqa: E402
 from backends.core.denoise_loop import DenoiseLoop, DenoiseResult  # noqa: E402
+from backends.core.params import Limits  # noqa: E402
 from backends.core.step_scheduler import SchedulerConfig  # noqa: E402
+from backends.core.unet_split import num_skips  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
     adapter_store_folder, artifact_folder, error, parameters, params_tensor, placement, read_params, setup_logging)
 
@@ -53,12 +53,12 @@ class TritonPythonModel:
         self.sender = threading.Thread(target=self._send_loop, name="easel-denoise-sender", daemon=True)
         self.sender.start()
         where = placement(args)
-        store = adapter_store_folder(args)
         self.limits = Limits.from_json(params["limits"])
         engine = TorchDenoiser(artifact_folder(args), where, controlnet_mode=params.get("controlnet_mode", "sync"))
         if params.get("controlnet_model"):  # the ControlNet service, by BLS
             decl = controlnet_decl(num_skips(engine.unet), WIRE_DTYPES[where.dtype])
-            engine.controlnets = BlsControlNets(params["controlnet_model"], decl, AdapterStore(store))
+            engine.controlnets = BlsControlNets(params["controlnet_model"], decl,
+                                                AdapterStore(adapter_store_folder(args)))
         self.loop = DenoiseLoop(engine, self.outbox.put, config)
         self.loop.start()
 
