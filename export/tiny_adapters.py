@@ -1,4 +1,5 @@
-"""Tiny ControlNets for the demo and tests, written into an adapter store beside a tiny pipeline.
+"""Tiny ControlNets and LoRAs for the demo and tests, written into an adapter store beside a tiny
+pipeline.
 
 Built from the pipeline's own UNet (as ControlNet training starts) and then given random zero
 convolutions: a fresh ControlNet's zero convolutions make its residuals exactly zero, which would
@@ -8,11 +9,12 @@ let a test pass while the residuals were dropped on the floor.
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 
 import torch
 
-from backends.core.adapter_store import CONTROLNET_DIR
+from backends.core.adapter_store import CONTROLNET_DIR, LORA_DIR
 
 log = logging.getLogger(__name__)
 
@@ -44,6 +46,40 @@ def write_tiny_controlnets(store: str | Path, unet, seed: int = 0, names=TINY_CO
     return written
 
 
+TINY_LORAS = {"papercut": ("peft", 4, None), "inkwash": ("kohya", 8, 4.0)}  # name: (layout, rank, alpha)
+# The layers real SDXL LoRAs touch: attention projections and the feed-forward output.
+LORA_TARGETS = re.compile(r"attn[12]\.(to_q|to_k|to_v|to_out\.0)$|ff\.net\.2$")
+
+
+def write_tiny_loras(store: str | Path, unet, seed: int = 0) -> list[Path]:
+    """Random UNet LoRAs in the two layouts found in the wild: diffusers/PEFT and kohya."""
+    from safetensors.torch import save_file
+
+    targets = [n for n, m in unet.named_modules() if isinstance(m, torch.nn.Linear) and LORA_TARGETS.search(n)]
+    folder = Path(store) / LORA_DIR
+    folder.mkdir(parents=True, exist_ok=True)
+    written = []
+    for index, (name, (layout, rank, alpha)) in enumerate(TINY_LORAS.items()):
+        generator = torch.Generator().manual_seed(seed * 16 + 12 + index)
+        state = {}
+        for module in targets:
+            linear = unet.get_submodule(module)
+            down = torch.randn(rank, linear.in_features, generator=generator) * 0.1
+            up = torch.randn(linear.out_features, rank, generator=generator) * 0.1
+            if layout == "peft":
+                state[f"unet.{module}.lora_A.weight"] = down
+                state[f"unet.{module}.lora_B.weight"] = up
+            else:
+                key = "lora_unet_" + module.replace(".", "_")
+                state.update({f"{key}.lora_down.weight": down, f"{key}.lora_up.weight": up,
+                              f"{key}.alpha": torch.tensor(alpha)})
+        path = folder / f"{name}.safetensors"
+        save_file({k: v.contiguous() for k, v in state.items()}, str(path))
+        written.append(path)
+    log.info("wrote tiny LoRAs %s to %s", list(TINY_LORAS), store)
+    return written
+
+
 def write_tiny_adapter_store(pipeline_dir: str | Path, store: str | Path | None = None, seed: int = 0) -> Path:
     """An adapter store for the tiny pipeline in `pipeline_dir` (default: `<pipeline_dir>/adapters`)."""
     from diffusers import UNet2DConditionModel
@@ -51,4 +87,5 @@ def write_tiny_adapter_store(pipeline_dir: str | Path, store: str | Path | None 
     store = Path(store) if store is not None else Path(pipeline_dir) / "adapters"
     unet = UNet2DConditionModel.from_pretrained(Path(pipeline_dir) / "unet", use_safetensors=True)
     write_tiny_controlnets(store, unet, seed)
+    write_tiny_loras(store, unet, seed)
     return store

@@ -1,6 +1,7 @@
-"""The adapter store: a folder of ControlNets (and later LoRAs), found by name through an index.
+"""The adapter store: a folder of ControlNets and LoRAs, found by name through an index.
 
     <root>/controlnets/<name>/config.json + diffusion_pytorch_model.safetensors
+    <root>/loras/<name>.safetensors      (diffusers/PEFT or kohya layout)
 
 A request names adapters; a name is looked up in the index built by scanning the store, never
 joined onto a path, so `../x` or `/etc/passwd` can only be "unknown". Entries whose files resolve
@@ -22,6 +23,7 @@ log = logging.getLogger(__name__)
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 CONTROLNET_DIR = "controlnets"
 CONTROLNET_WEIGHTS = "diffusion_pytorch_model.safetensors"
+LORA_DIR = "loras"
 PICKLE_SUFFIXES = (".bin", ".ckpt", ".pt", ".pth", ".pkl")
 
 
@@ -30,6 +32,13 @@ class ControlNetEntry:
     name: str
     folder: Path
     weights: Path
+    nbytes: int
+
+
+@dataclass(frozen=True)
+class LoraEntry:
+    name: str
+    path: Path
     nbytes: int
 
 
@@ -51,6 +60,7 @@ class AdapterStore:
         if not self.root.is_dir():
             raise ValueError(f"adapter store {self.root} is not a folder")
         self.controlnets = self._scan_controlnets()
+        self.loras = self._scan_loras()
 
     def _scan_controlnets(self) -> dict[str, ControlNetEntry]:
         index: dict[str, ControlNetEntry] = {}
@@ -69,6 +79,30 @@ class AdapterStore:
                 continue
             index[name] = ControlNetEntry(name, folder.resolve(), weights.resolve(), weights.stat().st_size)
         return index
+
+    def _scan_loras(self) -> dict[str, LoraEntry]:
+        index: dict[str, LoraEntry] = {}
+        base = self.root / LORA_DIR
+        if not base.is_dir():
+            return index
+        for path in sorted(base.iterdir()):
+            if path.suffix in PICKLE_SUFFIXES:
+                log.warning("lora file %s left out of the index: pickle files are refused", path.name)
+                continue
+            if path.suffix != ".safetensors" or not NAME_PATTERN.fullmatch(path.stem):
+                continue
+            if not (path.is_file() and _inside(path, self.root)):
+                log.warning("lora %r left out of the index: not a file inside the store", path.stem)
+                continue
+            index[path.stem] = LoraEntry(path.stem, path.resolve(), path.stat().st_size)
+        return index
+
+    def lora(self, name: str, field_name: str = "loras") -> LoraEntry:
+        check_name(field_name, name)
+        try:
+            return self.loras[name]
+        except KeyError:
+            raise InvalidInput(field_name, f"unknown LoRA {name!r}") from None
 
     def controlnet(self, name: str, field_name: str = "controlnets") -> ControlNetEntry:
         check_name(field_name, name)

@@ -64,3 +64,21 @@ def test_pickle_only_controlnets_are_not_indexed(tmp_path, caplog):
 
 def test_check_name_accepts_the_documented_alphabet():
     assert check_name("controlnets", "Ab9_.-z") == "Ab9_.-z"
+
+
+def test_loras_are_indexed_by_file_name_and_pickles_refused(tmp_path, caplog):
+    loras = tmp_path / "loras"
+    loras.mkdir()
+    (loras / "papercut.safetensors").write_bytes(b"\0" * 8)
+    (loras / "old.ckpt").write_bytes(b"\0")
+    (loras / "old2.bin").write_bytes(b"\0")
+    outside = tmp_path.parent / f"{tmp_path.name}-outside.safetensors"
+    outside.write_bytes(b"\0")
+    os.symlink(outside, loras / "escape.safetensors")
+    store = AdapterStore(tmp_path)
+    assert sorted(store.loras) == ["papercut"] and store.lora("papercut").nbytes == 8
+    assert "pickle files are refused" in caplog.text
+    for name, match in (("old", "unknown LoRA 'old'"), ("escape", "unknown LoRA 'escape'"),
+                        ("../x", "is not a valid adapter name")):
+        with pytest.raises(InvalidInput, match=match):
+            store.lora(name)

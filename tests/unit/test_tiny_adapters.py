@@ -9,7 +9,7 @@ import torch
 from diffusers import ControlNetModel, StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline
 
 from backends.core.adapter_store import AdapterStore
-from export.tiny_adapters import TINY_CONTROLNETS, write_tiny_adapter_store
+from export.tiny_adapters import TINY_CONTROLNETS, TINY_LORAS, write_tiny_adapter_store
 
 
 def test_store_indexes_tiny_controlnets_that_change_the_image(tiny_model, tmp_path):
@@ -35,4 +35,4 @@ def test_store_is_deterministic(tiny_model, tmp_path):
 
     a = write_tiny_adapter_store(tiny_model, tmp_path / "a")
     b = write_tiny_adapter_store(tiny_model, tmp_path / "b")
-    assert digest(a) == digest(b) and len(digest(a)) == len(TINY_CONTROLNETS)
+    assert digest(a) == digest(b) and len(digest(a)) == len(TINY_CONTROLNETS) + len(TINY_LORAS)
