@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -22,8 +23,9 @@ from diffusers.utils.torch_utils import randn_tensor
 from .artifacts import load_unet_halves
 from .controlnet import (ControlCall, ControlInput, PreparedControl, ResidualProvider, prepare_control_image,
                          sum_residuals)
-from .placement import Placement
+from .lora import LoraMerger, LoraSet, UnmergedLoras, lora_key
 from .params import GenerateParams
+from .placement import Placement
 from .schedulers import make_scheduler
 
 VAE_SCALE_FACTOR_FILE = "vae_scale_factor.json"
@@ -44,6 +46,7 @@ class DenoiseJob:
     is_cancelled: Callable[[], bool] = lambda: False
     arrival: float = field(default_factory=time.monotonic)
     controls: list[ControlInput] = field(default_factory=list)
+    loras: LoraSet = ()
 
 
 @dataclass
@@ -82,6 +85,9 @@ class TorchDenoiser:
         self.vae_scale_factor = json.loads((folder / VAE_SCALE_FACTOR_FILE).read_text())["vae_scale_factor"]
         self.latent_channels = self.unet.config.in_channels
         self.controlnets = controlnets
+        # LoRAs: merged in place when the whole batch shares one set, else computed unmerged.
+        self.lora_merger = LoraMerger(self.unet)
+        self.merged: tuple = ()
 
     def latent_shape(self, params: GenerateParams) -> tuple[int, int]:
         return params.height // self.vae_scale_factor, params.width // self.vae_scale_factor
@@ -140,11 +146,12 @@ class TorchDenoiser:
         pending = self._submit_controls(states, sample, timestep)  # run beside the encoder half
         if self.controlnet_mode == "pipelined":
             pending = self._pipeline(states, pending)
-        emb, mid, skips = self.encoder(sample, timestep, embeds,
-                                       torch.cat([s.pooled for s in states]), torch.cat([s.time_ids for s in states]))
-        failed: dict[str, str] = {}
-        down_res, mid_res = self._collect_controls(states, pending, skips, mid, failed)
-        noise = self.decoder(emb, mid, skips, embeds, down_res, mid_res)
+        with self._loras(states):
+            emb, mid, skips = self.encoder(sample, timestep, embeds, torch.cat([s.pooled for s in states]),
+                                           torch.cat([s.time_ids for s in states]))
+            failed: dict[str, str] = {}
+            down_res, mid_res = self._collect_controls(states, pending, skips, mid, failed)
+            noise = self.decoder(emb, mid, skips, embeds, down_res, mid_res)
 
         for s, pred in zip(states, noise.split([s.rows for s in states])):
             if s.job.request_id in failed:
@@ -157,6 +164,25 @@ class TorchDenoiser:
             s.index += 1
             s.max_batch = max(s.max_batch, len(states))
         return failed
+
+    def _loras(self, states):
+        """Merge the batch's LoRA set when all its requests share one (restoring the base weights
+        for none), else leave the weights at base and add each request's low-rank terms on its rows."""
+        keys = {lora_key(s.job.loras) for s in states}
+        if len(keys) == 1:
+            (key,) = keys
+            if key != self.merged:
+                self.lora_merger.merge(list(states[0].job.loras))  # an empty set restores the base
+                self.merged = key
+            return nullcontext()
+        if self.merged:
+            self.lora_merger.restore()
+            self.merged = ()
+        segments, row = [], 0
+        for s in states:
+            segments.append((slice(row, row + s.rows), s.job.loras))
+            row += s.rows
+        return UnmergedLoras(self.unet, segments)
 
     def _submit_controls(self, states, sample, timestep):
         """Every ControlNet call of this step whose guidance window is open, per request, in order."""

@@ -27,8 +27,8 @@ class LoraLayer:
     up: torch.Tensor  # B: [out, rank]
     scale: float  # alpha / rank (1.0 when the file names no alpha, as diffusers does)
 
-    def delta(self) -> torch.Tensor:
-        return self.scale * (self.up.float() @ self.down.float())
+    def delta(self, device: torch.device | str = "cpu") -> torch.Tensor:
+        return self.scale * (self.up.to(device, torch.float32) @ self.down.to(device, torch.float32))
 
 
 @dataclass(frozen=True)
@@ -87,7 +87,7 @@ class LoraMerger:
         for lora, scale in loras:
             for module, layer in lora.unet.items():
                 weight = self._weight(lora.name, module)
-                delta = scale * layer.delta()
+                delta = scale * layer.delta(weight.device)
                 if delta.shape != weight.shape:
                     raise InvalidInput("loras", f"{lora.name!r}: layer {module} is {tuple(delta.shape)}, "
                                                 f"the base model's is {tuple(weight.shape)}")
@@ -99,7 +99,7 @@ class LoraMerger:
             if module not in self._saved:
                 self._saved[module] = weight.detach().clone()
             original = self._saved[module]
-            weight.copy_((original.float() + delta.to(original.device)).to(weight.dtype))
+            weight.copy_((original.float() + delta).to(weight.dtype))
 
     @torch.no_grad()
     def restore(self, keep: set[str] = frozenset()) -> None:
@@ -113,3 +113,47 @@ class LoraMerger:
             return self.model.get_submodule(module).weight
         except AttributeError:
             raise InvalidInput("loras", f"{lora_name!r}: layer {module} does not exist in the base model") from None
+
+
+LoraSet = tuple[tuple[LoraWeights, float], ...]  # the LoRAs of one request, with their scales
+
+
+def lora_key(loras: LoraSet) -> tuple[tuple[str, float], ...]:
+    return tuple((lora.name, scale) for lora, scale in loras)
+
+
+class UnmergedLoras:
+    """For a batch whose requests carry different LoRA sets: each touched Linear adds
+    scale * (x @ A^T) @ B^T on the rows of the requests that use that LoRA, the weights untouched.
+    Used as a context manager around the batch's forward pass."""
+
+    def __init__(self, model: torch.nn.Module, segments: list[tuple[slice, LoraSet]]):
+        self.model = model
+        self.parts: dict[str, list[tuple[slice, torch.Tensor, torch.Tensor, float]]] = {}
+        for rows, loras in segments:
+            for lora, scale in loras:
+                for module, layer in lora.unet.items():
+                    weight = model.get_submodule(module).weight
+                    self.parts.setdefault(module, []).append(
+                        (rows, layer.down.to(weight.device, weight.dtype), layer.up.to(weight.device, weight.dtype),
+                         scale * layer.scale))
+        self._handles = []
+
+    def __enter__(self):
+        for module, parts in self.parts.items():
+            self._handles.append(self.model.get_submodule(module).register_forward_hook(_low_rank_hook(parts)))
+        return self
+
+    def __exit__(self, *exc):
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+
+def _low_rank_hook(parts):
+    def hook(module, args, output):
+        x = args[0]
+        for rows, down, up, scale in parts:
+            output[rows] += scale * ((x[rows] @ down.T) @ up.T)
+        return output
+    return hook
