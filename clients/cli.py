@@ -80,6 +80,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--timeout", type=float, metavar="S", help="request timeout in seconds")
     g.add_argument("--controlnet", action="append", type=parse_controlnet, default=[],
                    metavar="NAME:IMAGE[:SCALE]", help="a ControlNet and its control image (repeatable)")
+    g.add_argument("--lora", action="append", type=parse_lora, default=[], metavar="NAME[:SCALE]",
+                   help="a LoRA from the adapter store (repeatable)")
 
     for name, text in EXPORT_COMMANDS.items():
         # Parsed by export.cli; registered here only so `easel --help` lists them.
@@ -177,6 +179,15 @@ def parse_controlnet(text: str) -> tuple[str, Path, float]:
     return parts[0], Path(parts[1]), scale
 
 
+def parse_lora(text: str) -> tuple[str, float]:
+    """'papercut' or 'papercut:0.8' -> (name, scale)."""
+    name, _, scale = text.partition(":")
+    try:
+        return name, float(scale) if scale else 1.0
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--lora: scale {scale!r} is not a number") from None
+
+
 def generate_kwargs(args: argparse.Namespace) -> dict:
     """EaselClient.generate keyword arguments from parsed `generate` options."""
     width, height = args.size if args.size else (None, None)
@@ -187,6 +198,9 @@ def generate_kwargs(args: argparse.Namespace) -> dict:
         names, images, scales = zip(*args.controlnet)
         kwargs.update(controlnets=names, control_images=tuple(p.read_bytes() for p in images),
                       control_scales=scales)
+    if args.lora:
+        names, scales = zip(*args.lora)
+        kwargs.update(loras=names, lora_scales=scales)
     return kwargs
 
 

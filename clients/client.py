@@ -43,6 +43,8 @@ class GenerateRequest:
     control_scales: tuple[float, ...] | None = None
     control_guidance_start: tuple[float, ...] | None = None
     control_guidance_end: tuple[float, ...] | None = None
+    loras: tuple[str, ...] | None = None
+    lora_scales: tuple[float, ...] | None = None
 
 
 # Input name -> (Triton datatype, numpy dtype); every input has dims [1].
@@ -60,6 +62,8 @@ INPUT_TYPES: dict[str, tuple[str, Any]] = {
     "control_scales": ("FP32", np.float32),
     "control_guidance_start": ("FP32", np.float32),
     "control_guidance_end": ("FP32", np.float32),
+    "loras": ("BYTES", np.object_),
+    "lora_scales": ("FP32", np.float32),
 }
 
 
@@ -149,7 +153,8 @@ class EaselClient:
                  steps: int | None = None, guidance_scale: float | None = None,
                  seed: int | None = None, scheduler: str | None = None,
                  timeout_s: float | None = None, **controls) -> GenerateResult:
-        """`controls`: controlnets, control_images, control_scales, control_guidance_start/end."""
+        """`controls`: controlnets, control_images, control_scales, control_guidance_start/end,
+        loras, lora_scales."""
         request = GenerateRequest(prompt, negative_prompt, width, height, steps,
                                   guidance_scale, seed, scheduler, **controls)
         return self.run(request, timeout_s)

@@ -43,6 +43,7 @@ class ExportOptions:
     max_batch_rows: int = 16
     adapters: str | None = None  # the adapter store: with it, the ControlNet service is exported
     max_controlnets: int = 3
+    max_loras: int = 3
     controlnet_gpus: tuple[int, ...] | None = None  # the service's GPUs; default: the denoisers'
     controlnet_instances: int = 2  # per GPU (or on CPU): ControlNets that run at once
     controlnet_cache_gib: float = 16.0  # resident ControlNets per instance
@@ -101,7 +102,7 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
     limits = Limits(default_width=default_size, default_height=default_size,
                     max_width=max(options.max_size, default_size), max_height=max(options.max_size, default_size),
                     size_multiple=vae_scale_factor, default_steps=options.default_steps, max_steps=options.max_steps,
-                    max_controlnets=options.max_controlnets)
+                    max_controlnets=options.max_controlnets, max_loras=options.max_loras)
     engine_params = {"dtype": dtype}
 
     # text_encoder: both CLIP encoders and tokenizers, as transformers folders.

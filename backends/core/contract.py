@@ -53,6 +53,9 @@ PUBLIC = ModelDecl(
         _t("control_scales", "FP32", -1, optional=True),
         _t("control_guidance_start", "FP32", -1, optional=True),
         _t("control_guidance_end", "FP32", -1, optional=True),
+        # LoRAs: names from the adapter store, with optional scales (default 1.0).
+        _t("loras", "BYTES", -1, optional=True),
+        _t("lora_scales", "FP32", -1, optional=True),
     ),
     outputs=(_t("image", "BYTES", 1), _t("info", "BYTES", 1)),
 )

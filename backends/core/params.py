@@ -52,6 +52,7 @@ class Limits:
     default_scheduler: str = "default"
     max_prompt_bytes: int = 16384
     max_controlnets: int = 3
+    max_loras: int = 3
     max_control_image_pixels: int = 4096 * 4096
 
     @classmethod
@@ -73,6 +74,12 @@ class ControlParams:
 
 
 @dataclass(frozen=True)
+class LoraParams:
+    name: str
+    scale: float = 1.0
+
+
+@dataclass(frozen=True)
 class GenerateParams:
     prompt: str
     negative_prompt: str | None
@@ -83,6 +90,7 @@ class GenerateParams:
     seed: int
     scheduler: str
     controls: tuple[ControlParams, ...] = ()
+    loras: tuple[LoraParams, ...] = ()
     # Stage timings and other facts that travel with the request into `info`.
     trace: dict[str, Any] = field(default_factory=dict)
 
@@ -99,6 +107,7 @@ class GenerateParams:
         fields = json.loads(data)
         fields["controls"] = tuple(strict_from_dict(ControlParams, c, "params.controls")
                                    for c in fields.get("controls", ()))
+        fields["loras"] = tuple(strict_from_dict(LoraParams, c, "params.loras") for c in fields.get("loras", ()))
         return strict_from_dict(cls, fields, "params")
 
     def with_trace(self, **entries: Any) -> "GenerateParams":

@@ -19,6 +19,7 @@ for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
 sys.path[:] = [p for p in sys.path if p not in _own] + _own
 
 import queue  # noqa: E402
+from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 import threading  # noqa: E402
 import uuid  # noqa: E402
 
@@ -28,11 +29,12 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 from backends.bls_controlnets import BlsControlNets  # noqa: E402
 from backends.core.adapter_store import AdapterStore  # noqa: E402
 from backends.core.contract import WIRE_DTYPES, controlnet_decl  # noqa: E402
-from backends.core.control_inputs import decode_control_image  # noqa: E402
+from backends.core.adapter_inputs import decode_control_image  # noqa: E402
 from backends.core.controlnet import ControlInput  # noqa: E402
 from backends.core.denoise_engine import DenoiseJob, TorchDenoiser  # noqa: E402
 from backends.core.denoise_loop import DenoiseLoop, DenoiseResult  # noqa: E402
-from backends.core.params import Limits  # noqa: E402
+from backends.core.lora import load_lora  # noqa: E402
+from backends.core.params import InvalidInput, Limits  # noqa: E402
 from backends.core.step_scheduler import SchedulerConfig  # noqa: E402
 from backends.core.unet_split import num_skips  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
@@ -55,10 +57,12 @@ class TritonPythonModel:
         where = placement(args)
         self.limits = Limits.from_json(params["limits"])
         engine = TorchDenoiser(artifact_folder(args), where, controlnet_mode=params.get("controlnet_mode", "sync"))
+        store_folder = adapter_store_folder(args)
+        self.store = AdapterStore(store_folder) if store_folder else None
+        self.lora_loader = ThreadPoolExecutor(2, thread_name_prefix="easel-lora-loader")
         if params.get("controlnet_model"):  # the ControlNet service, by BLS
             decl = controlnet_decl(num_skips(engine.unet), WIRE_DTYPES[where.dtype])
-            engine.controlnets = BlsControlNets(params["controlnet_model"], decl,
-                                                AdapterStore(adapter_store_folder(args)))
+            engine.controlnets = BlsControlNets(params["controlnet_model"], decl, self.store)
         self.loop = DenoiseLoop(engine, self.outbox.put, config)
         self.loop.start()
 
@@ -76,8 +80,23 @@ class TritonPythonModel:
                 sender.send(error(f"denoiser: {exc}"), flags=FINAL)
                 continue
             self.pending[job.request_id] = (sender, params)
-            self.loop.submit(job)
+            if params.loras:  # file I/O: never on Triton's thread nor the step loop
+                self.lora_loader.submit(self._load_loras_then_submit, job)
+            else:
+                self.loop.submit(job)
         return None
+
+    def _load_loras_then_submit(self, job):
+        # Today the request waits for its LoRAs before its first step (bound K = 0, exact);
+        # starting without them and merging within K steps is issue 4's next step.
+        try:
+            if self.store is None:
+                raise InvalidInput("loras", "this deployment has no adapter store")
+            job.loras = tuple((load_lora(p.name, self.store.lora(p.name).path), p.scale) for p in job.params.loras)
+        except Exception as exc:
+            self.outbox.put(DenoiseResult(job.request_id, None, str(exc), 0.0, 0.0, 0))
+            return
+        self.loop.submit(job)
 
     def _controls(self, request, params):
         images = pb_utils.get_input_tensor_by_name(request, "control_images").as_numpy().reshape(-1)
@@ -98,6 +117,7 @@ class TritonPythonModel:
                 flags=FINAL)
 
     def finalize(self):
+        self.lora_loader.shutdown(wait=True, cancel_futures=True)
         self.loop.shutdown()
         if self.loop.engine.controlnets is not None:
             self.loop.engine.controlnets.shutdown()

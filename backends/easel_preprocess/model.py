@@ -18,7 +18,7 @@ import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from backends.core.contract import PREPROCESS  # noqa: E402
-from backends.core.control_inputs import validate_request  # noqa: E402
+from backends.core.adapter_inputs import validate_request  # noqa: E402
 from backends.core.params import Limits  # noqa: E402
 from backends.triton_adapter import each_request, parameters, params_tensor, read_inputs, scalar, setup_logging  # noqa: E402
 

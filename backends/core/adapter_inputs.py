@@ -1,4 +1,5 @@
-"""A request's ControlNet inputs, validated: names, images, scales and guidance windows.
+"""A request's adapter inputs, validated: ControlNet names, images, scales and guidance windows;
+LoRA names and scales.
 
 Torch-free: `preprocess` checks everything here so that a bad input fails before any GPU work;
 the denoiser decodes the same images again with the same limits.
@@ -12,9 +13,10 @@ import math
 from typing import Any, Mapping, Sequence
 
 from .adapter_store import check_name
-from .params import ControlParams, GenerateParams, InvalidInput, Limits, validate
+from .params import ControlParams, GenerateParams, InvalidInput, Limits, LoraParams, validate
 
 MAX_SCALE = 10.0
+MAX_LORA_SCALE = 4.0  # diffusers takes any; past this a LoRA only breaks the image
 
 
 def decode_control_image(data: bytes, max_pixels: int, index: int):
@@ -44,7 +46,7 @@ def _floats(values: Sequence[float] | None, n: int, default: float, field: str, 
     if values is None or len(values) == 0:
         return [default] * n
     if len(values) != n:
-        raise InvalidInput(field, f"has {len(values)} values for {n} controlnets")
+        raise InvalidInput(field, f"has {len(values)} values for {n} names")
     out = [float(v) for v in values]
     for i, v in enumerate(out):
         if not (lo <= v <= hi) or math.isnan(v):
@@ -81,4 +83,17 @@ def validate_request(raw: Mapping[str, Any], limits: Limits) -> GenerateParams:
     controls = validate_controls(raw.get("controlnets"), raw.get("control_images"), raw.get("control_scales"),
                                  raw.get("control_guidance_start"), raw.get("control_guidance_end"),
                                  limits.max_controlnets, limits.max_control_image_pixels)
-    return dataclasses.replace(params, controls=tuple(controls))
+    loras = validate_loras(raw.get("loras"), raw.get("lora_scales"), limits.max_loras)
+    return dataclasses.replace(params, controls=tuple(controls), loras=tuple(loras))
+
+
+def validate_loras(names: Sequence[bytes] | None, scales: Sequence[float] | None, max_loras: int) -> list[LoraParams]:
+    names = [n.decode("utf-8", "replace") if isinstance(n, bytes) else str(n) for n in (names or [])]
+    if len(names) > max_loras:
+        raise InvalidInput("loras", f"{len(names)} given, over the limit of {max_loras}")
+    if len(set(names)) != len(names):
+        raise InvalidInput("loras", "names a LoRA twice")
+    for i, name in enumerate(names):
+        check_name(f"loras[{i}]", name)
+    scales = _floats(scales, len(names), 1.0, "lora_scales", -MAX_LORA_SCALE, MAX_LORA_SCALE)
+    return [LoraParams(n, s) for n, s in zip(names, scales)]

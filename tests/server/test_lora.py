@@ -1,0 +1,72 @@
+"""LoRAs through the server reproduce diffusers' load_lora_weights + set_adapters + fuse_lora
+(uint8 within 1/255, CPU fp32; today the request waits for its LoRAs before its first step);
+bad LoRA inputs fail that request alone."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from diffusers import StableDiffusionXLPipeline
+
+from clients.client import EaselError
+from tests.reference import max_abs_diff
+from tests.server.test_controlnet import png
+from tests.server.test_exact import TOLERANCE, pixels
+
+
+def reference(model, loras, controlnet=None, **req):
+    pipe = StableDiffusionXLPipeline.from_pretrained(model, add_watermarker=False)
+    for name, _ in loras:
+        pipe.load_lora_weights(str(model / "adapters" / "loras" / f"{name}.safetensors"), adapter_name=name)
+    pipe.set_adapters([n for n, _ in loras], adapter_weights=[s for _, s in loras])
+    pipe.fuse_lora(adapter_names=[n for n, _ in loras])
+    image = pipe("a fox in snow", generator=torch.Generator("cpu").manual_seed(req.pop("seed")), output_type="np",
+                 num_inference_steps=req.pop("steps"), **req).images[0]
+    return (image * 255).round().astype(np.uint8)
+
+
+@pytest.mark.parametrize("loras", [
+    [("papercut", 1.0)], [("inkwash", 0.7)], [("papercut", 0.8), ("inkwash", 0.5)],
+], ids=["peft-layout", "kohya-layout", "two"])
+def test_loras_match_diffusers(http_client, tiny_model, loras):
+    req = dict(seed=6, steps=3, width=64, height=64)
+    ours = http_client.generate("a fox in snow", loras=tuple(n for n, _ in loras),
+                                lora_scales=tuple(s for _, s in loras), **req)
+    assert max_abs_diff(pixels(ours), reference(tiny_model, loras, **req)) <= TOLERANCE
+
+
+@pytest.mark.parametrize("loras, scales, expected", [
+    (("nope",), None, "loras: unknown LoRA 'nope'"),
+    (("../loras/papercut",), None, "loras[0]: '../loras/papercut' is not a valid adapter name"),
+    (("papercut.safetensors",), None, "loras: unknown LoRA 'papercut.safetensors'"),
+    (("papercut",), (1.0, 2.0), "lora_scales: has 2 values for 1 names"),
+    (("papercut",), (9.0,), "lora_scales[0]: 9 is outside [-4, 4]"),
+    (("papercut", "papercut"), None, "loras: names a LoRA twice"),
+    (("papercut", "inkwash", "a", "b"), None, "loras: 4 given, over the limit of 3"),
+])
+def test_bad_lora_inputs_fail_alone(http_client, loras, scales, expected):
+    with pytest.raises(EaselError) as err:
+        http_client.generate("a fox", seed=1, steps=2, width=64, height=64, loras=loras, lora_scales=scales)
+    assert expected in str(err.value)
+    assert http_client.generate("a fox", seed=1, steps=2, width=64, height=64).image().size == (64, 64)
+
+
+def test_lora_with_controlnet_matches_diffusers(http_client, tiny_model):
+    import io
+
+    from diffusers import ControlNetModel, StableDiffusionXLControlNetPipeline
+    from PIL import Image
+
+    hint = png(3)
+    ours = http_client.generate("a fox in snow", seed=2, steps=3, width=64, height=64, loras=("papercut",),
+                                lora_scales=(0.9,), controlnets=("canny",), control_images=(hint,))
+    base = StableDiffusionXLPipeline.from_pretrained(tiny_model, add_watermarker=False)
+    base.load_lora_weights(str(tiny_model / "adapters" / "loras" / "papercut.safetensors"), adapter_name="papercut")
+    base.set_adapters(["papercut"], adapter_weights=[0.9])
+    base.fuse_lora(adapter_names=["papercut"])
+    controlnet = ControlNetModel.from_pretrained(tiny_model / "adapters" / "controlnets" / "canny")
+    pipe = StableDiffusionXLControlNetPipeline(**base.components, controlnet=controlnet, add_watermarker=False)
+    ref = pipe("a fox in snow", image=Image.open(io.BytesIO(hint)), width=64, height=64, num_inference_steps=3,
+               generator=torch.Generator("cpu").manual_seed(2), output_type="np").images[0]
+    assert max_abs_diff(pixels(ours), (ref * 255).round().astype(np.uint8)) <= TOLERANCE
