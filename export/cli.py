@@ -47,6 +47,8 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--adapters", default=None, help="adapter store: DIR/controlnets/<name>/ (diffusers ControlNets)")
     exp.add_argument("--max-controlnets", type=int, default=3, help="ControlNets a request may use")
     exp.add_argument("--max-loras", type=int, default=3, help="LoRAs a request may use")
+    exp.add_argument("--lora-bound-steps", type=int, default=0,
+                     help="steps a request may run while its LoRAs load (0: wait for them; exact)")
     exp.add_argument("--controlnet-gpus", type=_gpus, default=None,
                      help="GPU ids of the ControlNet service (default: the denoisers' GPUs)")
     exp.add_argument("--controlnet-instances", type=int, default=2,
@@ -80,6 +82,7 @@ def main(argv: list[str] | None = None) -> int:
                                 generate_instances=args.generate_instances, max_batch_rows=args.max_batch_rows,
                                 max_running=args.max_batch_rows, onnx=args.onnx, adapters=args.adapters,
                                 max_controlnets=args.max_controlnets, max_loras=args.max_loras,
+                                lora_bound_steps=args.lora_bound_steps,
                                 controlnet_gpus=args.controlnet_gpus,
                                 controlnet_instances=args.controlnet_instances,
                                 controlnet_cache_gib=args.controlnet_cache_gib, controlnet_mode=args.controlnet_mode)

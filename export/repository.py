@@ -44,6 +44,7 @@ class ExportOptions:
     adapters: str | None = None  # the adapter store: with it, the ControlNet service is exported
     max_controlnets: int = 3
     max_loras: int = 3
+    lora_bound_steps: int = 0  # steps a request may run before its LoRAs must be merged (0: exact)
     controlnet_gpus: tuple[int, ...] | None = None  # the service's GPUs; default: the denoisers'
     controlnet_instances: int = 2  # per GPU (or on CPU): ControlNets that run at once
     controlnet_cache_gib: float = 16.0  # resident ControlNets per instance
@@ -144,7 +145,8 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
             (model / VERSION / VAE_SCALE_FACTOR_FILE).write_text(json.dumps({"vae_scale_factor": vae_scale_factor}))
         gpu = options.gpus[index] if options.device == "cuda" else None
         params = {**engine_params, "max_running": str(options.max_running),
-                  "max_batch_rows": str(options.max_batch_rows), "limits": limits.to_json()}
+                  "max_batch_rows": str(options.max_batch_rows), "limits": limits.to_json(),
+                  "lora_bound_steps": str(options.lora_bound_steps)}
         if options.adapters:
             params.update(adapters=store, controlnet_model="controlnet", controlnet_mode=options.controlnet_mode)
         if index:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import json
 import time
+from concurrent.futures import Future
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,10 @@ class DenoiseJob:
     arrival: float = field(default_factory=time.monotonic)
     controls: list[ControlInput] = field(default_factory=list)
     loras: LoraSet = ()
+    # Bounded asynchrony: LoRAs still loading; the request runs without them up to step
+    # `lora_bound` and they join at the first step boundary after the load completes.
+    loras_pending: Future | None = None
+    lora_bound: int = 0
 
 
 @dataclass
@@ -64,6 +69,7 @@ class RequestState:
     max_batch: int = 1  # most requests it shared one step with (itself included)
     # Pipelined ControlNets: the calls submitted at the previous step, used at this one.
     stale_controls: list | None = None
+    lora_step: int | None = None  # the step from which its LoRAs were applied
 
     @property
     def rows(self) -> int:

@@ -25,6 +25,7 @@ from .denoise_engine import DenoiseJob, RequestState, TorchDenoiser
 from .step_scheduler import SchedulerConfig, SeqState, Status, StepOutput, StepScheduler
 
 log = logging.getLogger(__name__)
+_WAKE = "wake"  # a LoRA load finished: look again
 
 
 @dataclass(frozen=True)
@@ -36,6 +37,7 @@ class DenoiseResult:
     denoise_s: float  # from its first step to its last
     steps: int
     max_batch: int = 1
+    lora_step: int | None = None  # the step before which its LoRAs were merged
 
 
 class DenoiseLoop:
@@ -45,7 +47,7 @@ class DenoiseLoop:
         self.on_done = on_done
         self.scheduler = StepScheduler(config)
         self.states: dict[str, RequestState] = {}
-        self._inbox: queue.Queue[DenoiseJob | None] = queue.Queue()
+        self._inbox: queue.Queue[DenoiseJob | None | str] = queue.Queue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="easel-denoise-loop", daemon=True)
 
@@ -67,8 +69,10 @@ class DenoiseLoop:
         while not self._stopping.is_set():
             self._drain(block=not self.scheduler.has_work())
             self._reap_cancelled()
+            self._take_loaded_loras()
             plan = self.scheduler.schedule(now=time.monotonic())
-            if plan is None:
+            if plan is None:  # nothing runnable: every request waits at its LoRA bound
+                self._drain(block=True)
                 continue
             batch = [self.states[rid] for rid in plan.request_ids]
             try:
@@ -92,7 +96,8 @@ class DenoiseLoop:
             block = False
             if job is None:
                 return
-            self._admit(job)
+            if job is not _WAKE:
+                self._admit(job)
 
     def _admit(self, job: DenoiseJob) -> None:
         try:
@@ -105,6 +110,30 @@ class DenoiseLoop:
             self.on_done(DenoiseResult(job.request_id, None, str(exc), 0.0, 0.0, 0))
             return
         self.states[job.request_id] = state
+        if job.loras:
+            state.lora_step = 0
+        if job.loras_pending is not None:
+            seq.wait_from_step = job.lora_bound
+            job.loras_pending.add_done_callback(lambda _: self._inbox.put(_WAKE))
+
+    def _take_loaded_loras(self) -> None:
+        """LoRAs that finished loading join their request at this step boundary."""
+        for rid, state in list(self.states.items()):
+            future = state.job.loras_pending
+            if future is None or not future.done():
+                continue
+            state.job.loras_pending = None
+            error = future.exception()
+            if error is not None:
+                seq = self.scheduler.abort(rid, Status.FAILED, str(error))
+                if seq is not None:
+                    self._finish(seq)
+                continue
+            state.job.loras = future.result()
+            state.lora_step = state.index
+            seq = self.scheduler.find(rid)
+            if seq is not None:
+                seq.wait_from_step = None
 
     def _reap_cancelled(self) -> None:
         for rid, state in list(self.states.items()):
@@ -119,4 +148,4 @@ class DenoiseLoop:
         first = seq.first_step_at if seq.first_step_at is not None else now
         latents = self.engine.result(state) if seq.status is Status.FINISHED else None
         self.on_done(DenoiseResult(seq.request_id, latents, seq.error, first - seq.arrival, now - first,
-                                   seq.steps_done, state.max_batch))
+                                   seq.steps_done, state.max_batch, state.lora_step))

@@ -37,6 +37,12 @@ class SeqState:
     error: str | None = None
     first_step_at: float | None = None
     last_served: int = -1  # tick of its last step (or of its admission)
+    # Bounded asynchrony: while its LoRAs load, the request may run steps below this one only.
+    wait_from_step: int | None = None
+
+    @property
+    def runnable(self) -> bool:
+        return self.wait_from_step is None or self.steps_done < self.wait_from_step
 
     @property
     def done(self) -> bool:
@@ -92,6 +98,9 @@ class StepScheduler:
             seq.status, seq.error = status, error
         return seq
 
+    def find(self, request_id: str) -> SeqState | None:
+        return self.running.get(request_id) or next((s for s in self.waiting if s.request_id == request_id), None)
+
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
@@ -105,15 +114,16 @@ class StepScheduler:
             seq.last_served = self._tick
             self.running[seq.request_id] = seq
             admitted.append(seq.request_id)
-        if not self.running:
+        runnable = [s for s in self.running.values() if s.runnable]
+        if not runnable:
             return None
 
         def staleness(s: SeqState):
             return (s.last_served, s.arrival)
 
-        lead = min(self.running.values(), key=staleness)
+        lead = min(runnable, key=staleness)
         batch, rows = [], 0
-        for seq in sorted((s for s in self.running.values() if s.shape == lead.shape), key=staleness):
+        for seq in sorted((s for s in runnable if s.shape == lead.shape), key=staleness):
             if rows + seq.rows > self.config.max_batch_rows:
                 break
             batch.append(seq)

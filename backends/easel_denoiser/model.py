@@ -60,6 +60,8 @@ class TritonPythonModel:
         store_folder = adapter_store_folder(args)
         self.store = AdapterStore(store_folder) if store_folder else None
         self.lora_loader = ThreadPoolExecutor(2, thread_name_prefix="easel-lora-loader")
+        # Steps a request may run before its LoRAs must be merged (0: wait, exact).
+        self.lora_bound = int(params.get("lora_bound_steps", 0))
         if params.get("controlnet_model"):  # the ControlNet service, by BLS
             decl = controlnet_decl(num_skips(engine.unet), WIRE_DTYPES[where.dtype])
             engine.controlnets = BlsControlNets(params["controlnet_model"], decl, self.store)
@@ -80,23 +82,16 @@ class TritonPythonModel:
                 sender.send(error(f"denoiser: {exc}"), flags=FINAL)
                 continue
             self.pending[job.request_id] = (sender, params)
-            if params.loras:  # file I/O: never on Triton's thread nor the step loop
-                self.lora_loader.submit(self._load_loras_then_submit, job)
-            else:
-                self.loop.submit(job)
+            if params.loras:  # file I/O runs on the loader pool, never on Triton's thread or the loop
+                job.loras_pending = self.lora_loader.submit(self._load_loras, params)
+                job.lora_bound = self.lora_bound
+            self.loop.submit(job)
         return None
 
-    def _load_loras_then_submit(self, job):
-        # Today the request waits for its LoRAs before its first step (bound K = 0, exact);
-        # starting without them and merging within K steps is issue 4's next step.
-        try:
-            if self.store is None:
-                raise InvalidInput("loras", "this deployment has no adapter store")
-            job.loras = tuple((load_lora(p.name, self.store.lora(p.name).path), p.scale) for p in job.params.loras)
-        except Exception as exc:
-            self.outbox.put(DenoiseResult(job.request_id, None, str(exc), 0.0, 0.0, 0))
-            return
-        self.loop.submit(job)
+    def _load_loras(self, params):
+        if self.store is None:
+            raise InvalidInput("loras", "this deployment has no adapter store")
+        return tuple((load_lora(p.name, self.store.lora(p.name).path), p.scale) for p in params.loras)
 
     def _controls(self, request, params):
         images = pb_utils.get_input_tensor_by_name(request, "control_images").as_numpy().reshape(-1)
@@ -111,7 +106,7 @@ class TritonPythonModel:
                 sender.send(error(f"denoiser: {result.error}"), flags=FINAL)
                 continue
             params = params.with_trace(queue_s=result.queue_s, denoise_s=result.denoise_s,
-                                       max_batch=result.max_batch, denoiser=self.name)
+                                       max_batch=result.max_batch, denoiser=self.name, lora_step=result.lora_step)
             sender.send(pb_utils.InferenceResponse([
                 params_tensor(params), pb_utils.Tensor("latents", np.ascontiguousarray(result.latents))]),
                 flags=FINAL)

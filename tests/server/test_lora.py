@@ -70,3 +70,9 @@ def test_lora_with_controlnet_matches_diffusers(http_client, tiny_model):
     ref = pipe("a fox in snow", image=Image.open(io.BytesIO(hint)), width=64, height=64, num_inference_steps=3,
                generator=torch.Generator("cpu").manual_seed(2), output_type="np").images[0]
     assert max_abs_diff(pixels(ours), (ref * 255).round().astype(np.uint8)) <= TOLERANCE
+
+
+def test_info_says_where_the_lora_landed(http_client):
+    info = http_client.generate("a fox", seed=1, steps=2, width=64, height=64, loras=("papercut",)).info
+    assert info["lora_merged_at_step"] == 0  # bound 0: the request waits for its LoRA
+    assert http_client.generate("a fox", seed=1, steps=2, width=64, height=64).info["lora_merged_at_step"] is None

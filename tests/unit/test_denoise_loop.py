@@ -92,3 +92,72 @@ def test_shutdown_fails_what_is_left(engines):
     loop.shutdown()
     (left,) = results.wait(["long"], timeout=10)
     assert left.error == "the denoiser is shutting down"
+
+
+def lora_job(engine_encoder, tiny_model, rid, bound, pending=None, steps=6):
+    from backends.core.adapter_store import AdapterStore
+    from backends.core.lora import load_lora
+
+    _, encoder = engine_encoder
+    j = job(encoder, rid, steps=steps)
+    store = AdapterStore(tiny_model / "adapters")
+    loras = ((load_lora("papercut", store.lora("papercut").path), 1.0),)
+    if pending is None:
+        j.loras = loras
+    else:
+        j.loras_pending, j.lora_bound = pending, bound
+    return j, loras
+
+
+def test_lora_bound_zero_waits_and_is_exact(engines, tiny_model):
+    from concurrent.futures import Future
+
+    engine, _ = engines
+    exact_job, loras = lora_job(engines, tiny_model, "exact", 0)
+    exact = run(engine, [exact_job])[0]
+    pending: Future = Future()
+    threading.Timer(0.5, pending.set_result, args=(loras,)).start()  # the load lands later
+    waited_job, _ = lora_job(engines, tiny_model, "waited", 0, pending)
+    waited = run(engine, [waited_job])[0]
+    assert waited.lora_step == 0 and exact.lora_step == 0
+    assert np.array_equal(waited.latents, exact.latents)
+
+
+def test_lora_lands_at_the_bound_and_moves_the_result_a_little(engines, tiny_model):
+    from concurrent.futures import Future
+
+    engine, _ = engines
+    exact_job, loras = lora_job(engines, tiny_model, "exact", 0)
+    exact = run(engine, [exact_job])[0]
+    pending: Future = Future()
+    results = Results()
+    loop = DenoiseLoop(engine, results)
+    loop.start()
+    bounded, _ = lora_job(engines, tiny_model, "bounded", 2, pending)
+    loop.submit(bounded)
+    seq = None
+    for _ in range(200):  # it runs steps 0 and 1 without the LoRA, then waits at the bound
+        seq = loop.scheduler.find("bounded")
+        if seq is not None and seq.steps_done == 2:
+            break
+        threading.Event().wait(0.05)
+    threading.Event().wait(0.3)
+    assert seq is not None and seq.steps_done == 2  # still waiting: not past the bound
+    pending.set_result(loras)
+    (out,) = results.wait(["bounded"])
+    loop.shutdown()
+    assert out.error is None and out.lora_step == 2
+    deviation = np.abs(out.latents - exact.latents).max()
+    assert 0 < deviation < np.abs(exact.latents).max()
+
+
+def test_failed_lora_load_fails_its_request(engines, tiny_model):
+    from concurrent.futures import Future
+
+    engine, encoder = engines
+    pending: Future = Future()
+    pending.set_exception(ValueError("loras: 'x' cannot be read as a LoRA"))
+    bad, _ = lora_job(engines, tiny_model, "bad", 1, pending)
+    good = job(encoder, "good")
+    bad_out, good_out = run(engine, [bad, good])
+    assert "cannot be read" in bad_out.error and good_out.error is None
