@@ -15,7 +15,9 @@ def test_perf_analyzer_runs_against_easel(server, tmp_path):
     report = tmp_path / "perf.csv"
     argv = [str(perf_analyzer_path()), "-m", "easel", "-u", server.url_http, "--input-data", str(INPUT),
             "--concurrency-range", "1:2", "--measurement-mode", "count_windows",
-            "--measurement-request-count", "4", "--max-trials", "4", "--stability-percentage", "100",
+            # A loose stability bound: the point is that perf_analyzer drives easel, not a benchmark on a
+            # shared 2-core machine.
+            "--measurement-request-count", "4", "--max-trials", "10", "--stability-percentage", "900",
             "-f", str(report)]
     done = subprocess.run(argv, env=perf_env(), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
