@@ -59,6 +59,13 @@ def parser() -> argparse.ArgumentParser:
                      help="pipelined: step t uses residuals of step t-1's latents (hides ControlNet time; approximate)")
     exp.add_argument("--onnx", action="store_true",
                      help="also export each component to ONNX (<model>/1/onnx/<component>.onnx)")
+    prof = sub.add_parser("profile-lora", help="measure each LoRA's bound K (steps it may join late) for a repository")
+    prof.add_argument("--repo", required=True, help="a model repository exported with --adapters")
+    prof.add_argument("--loras", default=None, help="comma-separated names (default: every LoRA in the store)")
+    prof.add_argument("--steps", type=int, default=30)
+    prof.add_argument("--size", type=int, default=None, help="default: the model's default size")
+    prof.add_argument("--seeds", type=int, default=2)
+    prof.add_argument("--threshold", type=float, default=0.99, help="cosine similarity of latents")
     return p
 
 
@@ -87,6 +94,14 @@ def main(argv: list[str] | None = None) -> int:
                                 controlnet_instances=args.controlnet_instances,
                                 controlnet_cache_gib=args.controlnet_cache_gib, controlnet_mode=args.controlnet_mode)
         export_repository(args.model, args.out, options)
+        return 0
+    if args.command == "profile-lora":
+        from .profile_lora import profile_loras
+
+        names = [n for n in args.loras.split(",") if n] if args.loras else None
+        bounds = profile_loras(args.repo, names, steps=args.steps, size=args.size, seeds=args.seeds,
+                               threshold=args.threshold)
+        logging.getLogger("easel").info("bounds: %s", bounds)
         return 0
     return 2
 

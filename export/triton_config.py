@@ -85,3 +85,12 @@ def ensemble(name: str = "easel") -> str:
         _tensors("output", PUBLIC.outputs),
         "ensemble_scheduling {\n  step [\n" + ",\n".join(steps) + "\n  ]\n}",
     ]) + "\n"
+
+
+def read_parameters(config_path) -> dict[str, str]:
+    """The string parameters of a config.pbtxt, parsed as Triton's own ModelConfig."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    config = text_format.Parse(open(config_path).read(), model_config_pb2.ModelConfig())
+    return {key: value.string_value for key, value in config.parameters.items()}

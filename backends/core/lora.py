@@ -20,6 +20,8 @@ import torch
 
 from .params import InvalidInput
 
+BOUNDS_FILE = "lora_bounds.json"  # per-LoRA bound K, written by `easel profile-lora` beside the UNet
+
 
 @dataclass(frozen=True)
 class LoraLayer:

@@ -18,6 +18,7 @@ for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         site.addsitedir(_p)
 sys.path[:] = [p for p in sys.path if p not in _own] + _own
 
+import json  # noqa: E402
 import queue  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 import threading  # noqa: E402
@@ -33,7 +34,7 @@ from backends.core.adapter_inputs import decode_control_image  # noqa: E402
 from backends.core.controlnet import ControlInput  # noqa: E402
 from backends.core.denoise_engine import DenoiseJob, TorchDenoiser  # noqa: E402
 from backends.core.denoise_loop import DenoiseLoop, DenoiseResult  # noqa: E402
-from backends.core.lora import load_lora  # noqa: E402
+from backends.core.lora import BOUNDS_FILE, load_lora  # noqa: E402
 from backends.core.params import InvalidInput, Limits  # noqa: E402
 from backends.core.step_scheduler import SchedulerConfig  # noqa: E402
 from backends.core.unet_split import num_skips  # noqa: E402
@@ -60,8 +61,11 @@ class TritonPythonModel:
         store_folder = adapter_store_folder(args)
         self.store = AdapterStore(store_folder) if store_folder else None
         self.lora_loader = ThreadPoolExecutor(2, thread_name_prefix="easel-lora-loader")
-        # Steps a request may run before its LoRAs must be merged (0: wait, exact).
+        # Steps a request may run before its LoRAs must be merged: per LoRA from `easel
+        # profile-lora`, else the deployment's (0: wait, exact).
         self.lora_bound = int(params.get("lora_bound_steps", 0))
+        bounds = artifact_folder(args) / BOUNDS_FILE
+        self.lora_bounds = json.loads(bounds.read_text()) if bounds.exists() else {}
         if params.get("controlnet_model"):  # the ControlNet service, by BLS
             decl = controlnet_decl(num_skips(engine.unet), WIRE_DTYPES[where.dtype])
             engine.controlnets = BlsControlNets(params["controlnet_model"], decl, self.store)
@@ -84,7 +88,7 @@ class TritonPythonModel:
             self.pending[job.request_id] = (sender, params)
             if params.loras:  # file I/O runs on the loader pool, never on Triton's thread or the loop
                 job.loras_pending = self.lora_loader.submit(self._load_loras, params)
-                job.lora_bound = self.lora_bound
+                job.lora_bound = min(self.lora_bounds.get(p.name, self.lora_bound) for p in params.loras)
             self.loop.submit(job)
         return None
 
