@@ -38,6 +38,7 @@ class DenoiseResult:
     steps: int
     max_batch: int = 1
     lora_step: int | None = None  # the step before which its LoRAs were merged
+    lora_waited: bool = False  # it waited at its bound for them
 
 
 class DenoiseLoop:
@@ -148,4 +149,4 @@ class DenoiseLoop:
         first = seq.first_step_at if seq.first_step_at is not None else now
         latents = self.engine.result(state) if seq.status is Status.FINISHED else None
         self.on_done(DenoiseResult(seq.request_id, latents, seq.error, first - seq.arrival, now - first,
-                                   seq.steps_done, state.max_batch, state.lora_step))
+                                   seq.steps_done, state.max_batch, state.lora_step, seq.waited_at_bound))

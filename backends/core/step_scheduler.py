@@ -39,6 +39,7 @@ class SeqState:
     last_served: int = -1  # tick of its last step (or of its admission)
     # Bounded asynchrony: while its LoRAs load, the request may run steps below this one only.
     wait_from_step: int | None = None
+    waited_at_bound: bool = False  # it was held at its bound at least once
 
     @property
     def runnable(self) -> bool:
@@ -114,7 +115,12 @@ class StepScheduler:
             seq.last_served = self._tick
             self.running[seq.request_id] = seq
             admitted.append(seq.request_id)
-        runnable = [s for s in self.running.values() if s.runnable]
+        runnable = []
+        for seq in self.running.values():
+            if seq.runnable:
+                runnable.append(seq)
+            else:
+                seq.waited_at_bound = True
         if not runnable:
             return None
 

@@ -22,6 +22,7 @@ import json  # noqa: E402
 import queue  # noqa: E402
 from concurrent.futures import ThreadPoolExecutor  # noqa: E402
 import threading  # noqa: E402
+import time  # noqa: E402
 import uuid  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -42,6 +43,37 @@ from backends.triton_adapter import (  # noqa: E402
     adapter_store_folder, artifact_folder, error, parameters, params_tensor, placement, read_params, setup_logging)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+
+
+class LoraMetrics:
+    """LoRA loading and merging as Prometheus counters (updated from the sender thread only)."""
+
+    def __init__(self, args):
+        labels = {"model": args["model_name"]}
+        counter = pb_utils.MetricFamily.COUNTER
+        specs = {
+            "loads": ("easel_lora_loads_total", "LoRA files loaded"),
+            "seconds": ("easel_lora_load_seconds_total", "seconds spent loading LoRAs"),
+            "bytes": ("easel_lora_loaded_bytes_total", "bytes of LoRA weights loaded"),
+            "merged": ("easel_lora_merged_requests_total", "requests whose LoRAs were merged"),
+            "merge_step": ("easel_lora_merge_step_total", "sum of the steps at which LoRAs landed"),
+            "waits": ("easel_lora_bound_waits_total", "requests that waited at their bound"),
+        }
+        # The families must outlive their metrics: Triton drops a metric whose family is gone.
+        self.families = {k: pb_utils.MetricFamily(name=n, description=d, kind=counter) for k, (n, d) in specs.items()}
+        self.metrics = {k: f.Metric(labels=labels) for k, f in self.families.items()}
+
+    def record(self, load, result) -> None:
+        if load is not None:
+            count, seconds, nbytes = load
+            self.metrics["loads"].increment(count)
+            self.metrics["seconds"].increment(seconds)
+            self.metrics["bytes"].increment(nbytes)
+        if result.lora_step is not None:
+            self.metrics["merged"].increment(1)
+            self.metrics["merge_step"].increment(result.lora_step)
+        if result.lora_waited:
+            self.metrics["waits"].increment(1)
 
 
 class TritonPythonModel:
@@ -66,6 +98,8 @@ class TritonPythonModel:
         self.lora_bound = int(params.get("lora_bound_steps", 0))
         bounds = artifact_folder(args) / BOUNDS_FILE
         self.lora_bounds = json.loads(bounds.read_text()) if bounds.exists() else {}
+        self.lora_loads: dict[str, tuple[int, float, int]] = {}  # request id -> (count, seconds, bytes)
+        self.metrics = LoraMetrics(args)
         if params.get("controlnet_model"):  # the ControlNet service, by BLS
             decl = controlnet_decl(num_skips(engine.unet), WIRE_DTYPES[where.dtype])
             engine.controlnets = BlsControlNets(params["controlnet_model"], decl, self.store)
@@ -87,15 +121,18 @@ class TritonPythonModel:
                 continue
             self.pending[job.request_id] = (sender, params)
             if params.loras:  # file I/O runs on the loader pool, never on Triton's thread or the loop
-                job.loras_pending = self.lora_loader.submit(self._load_loras, params)
+                job.loras_pending = self.lora_loader.submit(self._load_loras, job.request_id, params)
                 job.lora_bound = min(self.lora_bounds.get(p.name, self.lora_bound) for p in params.loras)
             self.loop.submit(job)
         return None
 
-    def _load_loras(self, params):
+    def _load_loras(self, request_id, params):
         if self.store is None:
             raise InvalidInput("loras", "this deployment has no adapter store")
-        return tuple((load_lora(p.name, self.store.lora(p.name).path), p.scale) for p in params.loras)
+        start = time.perf_counter()
+        loras = tuple((load_lora(p.name, self.store.lora(p.name).path), p.scale) for p in params.loras)
+        self.lora_loads[request_id] = (len(loras), time.perf_counter() - start, sum(w.nbytes for w, _ in loras))
+        return loras
 
     def _controls(self, request, params):
         images = pb_utils.get_input_tensor_by_name(request, "control_images").as_numpy().reshape(-1)
@@ -106,6 +143,7 @@ class TritonPythonModel:
     def _send_loop(self):
         while (result := self.outbox.get()) is not None:
             sender, params = self.pending.pop(result.request_id)
+            self.metrics.record(self.lora_loads.pop(result.request_id, None), result)
             if result.error is not None:
                 sender.send(error(f"denoiser: {result.error}"), flags=FINAL)
                 continue

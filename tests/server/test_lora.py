@@ -76,3 +76,19 @@ def test_info_says_where_the_lora_landed(http_client):
     info = http_client.generate("a fox", seed=1, steps=2, width=64, height=64, loras=("papercut",)).info
     assert info["lora_merged_at_step"] == 0  # bound 0: the request waits for its LoRA
     assert http_client.generate("a fox", seed=1, steps=2, width=64, height=64).info["lora_merged_at_step"] is None
+
+
+def test_lora_metrics(server, http_client):
+    import urllib.request
+
+    def value(name):
+        text = urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=10).read().decode()
+        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+
+    before = {n: value(n) for n in ("easel_lora_loads_total", "easel_lora_loaded_bytes_total",
+                                    "easel_lora_merged_requests_total")}
+    http_client.generate("a fox", seed=1, steps=2, width=64, height=64, loras=("papercut", "inkwash"))
+    assert value("easel_lora_loads_total") - before["easel_lora_loads_total"] == 2
+    assert value("easel_lora_loaded_bytes_total") > before["easel_lora_loaded_bytes_total"]
+    assert value("easel_lora_merged_requests_total") - before["easel_lora_merged_requests_total"] == 1
+    assert value("easel_lora_load_seconds_total") > 0

@@ -146,7 +146,7 @@ def test_lora_lands_at_the_bound_and_moves_the_result_a_little(engines, tiny_mod
     pending.set_result(loras)
     (out,) = results.wait(["bounded"])
     loop.shutdown()
-    assert out.error is None and out.lora_step == 2
+    assert out.error is None and out.lora_step == 2 and out.lora_waited
     deviation = np.abs(out.latents - exact.latents).max()
     assert 0 < deviation < np.abs(exact.latents).max()
 
