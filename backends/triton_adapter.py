@@ -117,3 +117,22 @@ def each_request(requests, handle, what: str) -> list:
             logging.getLogger(f"backends.{what}").exception("request failed")
             responses.append(error(f"{what}: {exc}"))
     return responses
+
+
+class Metrics:
+    """Prometheus metrics of one model on Triton's metrics port: `specs` maps a key to
+    (name, description, kind) with kind "counter" or "gauge"."""
+
+    def __init__(self, labels: dict[str, str], specs: dict[str, tuple[str, str, str]]):
+        kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE}
+        # The families must outlive their metrics: Triton drops a metric whose family is gone.
+        self.families = {key: pb_utils.MetricFamily(name=name, description=desc, kind=kinds[kind])
+                         for key, (name, desc, kind) in specs.items()}
+        self.metrics = {key: family.Metric(labels=labels) for key, family in self.families.items()}
+
+    def increment(self, key: str, value: float) -> None:
+        if value:
+            self.metrics[key].increment(value)
+
+    def set(self, key: str, value: float) -> None:
+        self.metrics[key].set(value)

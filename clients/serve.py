@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from clients.tools import append_path, package_dir, prepend_path, site_packages
+from clients.tools import add_to_path, package_dir, site_packages
 
 log = logging.getLogger(__name__)
 
@@ -163,16 +163,17 @@ def assemble_backend_dir(dest: Path, triton: TritonInstall, project: Path,
 def server_env(triton: TritonInstall, project: Path,
                base: dict[str, str] | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
-    prepend_path(env, "LD_LIBRARY_PATH", list(triton.lib_dirs))
+    add_to_path(env, "LD_LIBRARY_PATH", list(triton.lib_dirs), front=True)
     # The stub's embedded interpreter does not know about the venv; model.py
     # files call site.addsitedir on each PYTHONPATH entry (for .pth files too).
     # Folders already on PYTHONPATH keep precedence (the GPU machine's bundle pins numpy<2
     # there, which this Python backend needs).
-    append_path(env, "PYTHONPATH", [*site_packages(), project])
+    add_to_path(env, "PYTHONPATH", [*site_packages(), project], front=False)
     # Folders for the server's Python only, ahead of everything: Triton 2.51's Python backend
     # stub needs numpy<2, so a host whose Python has numpy 2 (the GPU image) points this at a
     # numpy<2 folder without changing its own Python.
-    prepend_path(env, "PYTHONPATH", [p for p in env.get("EASEL_SERVER_PYTHONPATH", "").split(os.pathsep) if p])
+    add_to_path(env, "PYTHONPATH", [p for p in env.get("EASEL_SERVER_PYTHONPATH", "").split(os.pathsep) if p],
+                front=True)
     return env
 
 

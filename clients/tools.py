@@ -37,19 +37,11 @@ def package_dir(name: str) -> Path | None:
     return None
 
 
-def prepend_path(env: dict[str, str], key: str, entries: list[Path | str]) -> None:
-    """Put `entries` in front of the os.pathsep list `env[key]`, skipping duplicates."""
+def add_to_path(env: dict[str, str], key: str, entries: list[Path | str], *, front: bool) -> None:
+    """Put `entries` in front of (or after) the os.pathsep list `env[key]`, skipping duplicates."""
     current = [p for p in env.get(key, "").split(os.pathsep) if p]
-    new = [str(e) for e in entries if str(e) not in current]
-    seen: set[str] = set()
-    merged = [p for p in new + current if not (p in seen or seen.add(p))]
-    env[key] = os.pathsep.join(merged)
-
-
-def append_path(env: dict[str, str], key: str, entries: list[Path | str]) -> None:
-    """Put `entries` after the os.pathsep list `env[key]`, skipping duplicates."""
-    current = [p for p in env.get(key, "").split(os.pathsep) if p]
-    env[key] = os.pathsep.join(current + [str(e) for e in entries if str(e) not in current])
+    new = [e for e in dict.fromkeys(map(str, entries)) if e not in current]
+    env[key] = os.pathsep.join(new + current if front else current + new)
 
 
 def perf_analyzer_path() -> Path:
@@ -74,5 +66,5 @@ def perf_env(base: dict[str, str] | None = None) -> dict[str, str]:
     """
     env = dict(os.environ if base is None else base)
     libs = [sp / "nvidia" / "cuda_runtime" / "lib" for sp in site_packages()]
-    prepend_path(env, "LD_LIBRARY_PATH", [p for p in libs if p.is_dir()])
+    add_to_path(env, "LD_LIBRARY_PATH", [p for p in libs if p.is_dir()], front=True)
     return env

@@ -27,43 +27,40 @@ from backends.core.adapter_store import AdapterStore  # noqa: E402
 from backends.core.controlnet import ControlCall, run_controlnet  # noqa: E402
 from backends.core.controlnet_cache import ControlNetCache  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
-    adapter_store_folder, each_request, parameters, placement, scalar, setup_logging)
+    Metrics, adapter_store_folder, each_request, parameters, placement, scalar, setup_logging)
 
 
 def _tensor(request, name: str, device) -> torch.Tensor:
     return torch.from_dlpack(pb_utils.get_input_tensor_by_name(request, name).to_dlpack()).to(device)
 
 
-class _Metrics:
+class _CacheMetrics:
     """The cache's counters as Prometheus metrics, labelled by model instance."""
+
+    COUNTERS = {
+        "hits": ("easel_controlnet_cache_hits_total", "ControlNet calls served from the resident set", "counter"),
+        "misses": ("easel_controlnet_cache_misses_total", "ControlNet calls that loaded from the store", "counter"),
+        "evictions": ("easel_controlnet_cache_evictions_total", "ControlNets evicted", "counter"),
+        "load_seconds": ("easel_controlnet_load_seconds_total", "seconds spent loading ControlNets", "counter"),
+    }
+    GAUGES = {
+        "resident": ("easel_controlnet_resident", "ControlNets resident", "gauge"),
+        "resident_bytes": ("easel_controlnet_resident_bytes", "bytes of resident ControlNets", "gauge"),
+    }
 
     def __init__(self, args):
         labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
-        counter, gauge = pb_utils.MetricFamily.COUNTER, pb_utils.MetricFamily.GAUGE
-        specs = {
-            "hits": ("easel_controlnet_cache_hits_total", "ControlNet calls served from the resident set", counter),
-            "misses": ("easel_controlnet_cache_misses_total", "ControlNet calls that loaded from the store", counter),
-            "evictions": ("easel_controlnet_cache_evictions_total", "ControlNets evicted", counter),
-            "load_seconds": ("easel_controlnet_load_seconds_total", "seconds spent loading ControlNets", counter),
-            "resident": ("easel_controlnet_resident", "ControlNets resident", gauge),
-            "resident_bytes": ("easel_controlnet_resident_bytes", "bytes of resident ControlNets", gauge),
-        }
-        # The families must outlive their metrics: Triton drops a metric whose family is gone.
-        self.families = {key: pb_utils.MetricFamily(name=name, description=desc, kind=kind)
-                         for key, (name, desc, kind) in specs.items()}
-        self.metrics = {key: family.Metric(labels=labels) for key, family in self.families.items()}
-        self.seen = {key: 0.0 for key in specs}
+        self.metrics = Metrics(labels, {**self.COUNTERS, **self.GAUGES})
+        self.seen = {key: 0.0 for key in self.COUNTERS}
 
     def update(self, cache: ControlNetCache) -> None:
+        for key in self.COUNTERS:  # the cache counts in totals; Prometheus counters take increments
+            value = getattr(cache.stats, key)
+            self.metrics.increment(key, value - self.seen[key])
+            self.seen[key] = value
         resident = cache.resident
-        now = {"hits": cache.stats.hits, "misses": cache.stats.misses, "evictions": cache.stats.evictions,
-               "load_seconds": cache.stats.load_seconds}
-        for key, value in now.items():
-            if value > self.seen[key]:
-                self.metrics[key].increment(value - self.seen[key])
-                self.seen[key] = value
-        self.metrics["resident"].set(len(resident))
-        self.metrics["resident_bytes"].set(sum(resident.values()))
+        self.metrics.set("resident", len(resident))
+        self.metrics.set("resident_bytes", sum(resident.values()))
 
 
 class TritonPythonModel:
@@ -74,7 +71,7 @@ class TritonPythonModel:
         self.device = torch.device(self.placement.device)
         self.cache = ControlNetCache(AdapterStore(adapter_store_folder(args)), self.placement,
                                      budget_bytes=int(params["cache_bytes"]))
-        self.metrics = _Metrics(args)
+        self.metrics = _CacheMetrics(args)
 
     def execute(self, requests):
         responses = each_request(requests, self._run, "controlnet")

@@ -40,7 +40,8 @@ from backends.core.params import InvalidInput, Limits  # noqa: E402
 from backends.core.step_scheduler import SchedulerConfig  # noqa: E402
 from backends.core.unet_split import num_skips  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
-    adapter_store_folder, artifact_folder, error, parameters, params_tensor, placement, read_params, setup_logging)
+    Metrics, adapter_store_folder, artifact_folder, error, parameters, params_tensor, placement, read_params,
+    setup_logging)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 
@@ -49,31 +50,25 @@ class LoraMetrics:
     """LoRA loading and merging as Prometheus counters (updated from the sender thread only)."""
 
     def __init__(self, args):
-        labels = {"model": args["model_name"]}
-        counter = pb_utils.MetricFamily.COUNTER
-        specs = {
-            "loads": ("easel_lora_loads_total", "LoRA files loaded"),
-            "seconds": ("easel_lora_load_seconds_total", "seconds spent loading LoRAs"),
-            "bytes": ("easel_lora_loaded_bytes_total", "bytes of LoRA weights loaded"),
-            "merged": ("easel_lora_merged_requests_total", "requests whose LoRAs were merged"),
-            "merge_step": ("easel_lora_merge_step_total", "sum of the steps at which LoRAs landed"),
-            "waits": ("easel_lora_bound_waits_total", "requests that waited at their bound"),
-        }
-        # The families must outlive their metrics: Triton drops a metric whose family is gone.
-        self.families = {k: pb_utils.MetricFamily(name=n, description=d, kind=counter) for k, (n, d) in specs.items()}
-        self.metrics = {k: f.Metric(labels=labels) for k, f in self.families.items()}
+        self.metrics = Metrics({"model": args["model_name"]}, {
+            "loads": ("easel_lora_loads_total", "LoRA files loaded", "counter"),
+            "seconds": ("easel_lora_load_seconds_total", "seconds spent loading LoRAs", "counter"),
+            "bytes": ("easel_lora_loaded_bytes_total", "bytes of LoRA weights loaded", "counter"),
+            "merged": ("easel_lora_merged_requests_total", "requests whose LoRAs were merged", "counter"),
+            "merge_step": ("easel_lora_merge_step_total", "sum of the steps at which LoRAs landed", "counter"),
+            "waits": ("easel_lora_bound_waits_total", "requests that waited at their bound", "counter"),
+        })
 
     def record(self, load, result) -> None:
         if load is not None:
             count, seconds, nbytes = load
-            self.metrics["loads"].increment(count)
-            self.metrics["seconds"].increment(seconds)
-            self.metrics["bytes"].increment(nbytes)
+            self.metrics.increment("loads", count)
+            self.metrics.increment("seconds", seconds)
+            self.metrics.increment("bytes", nbytes)
         if result.lora_step is not None:
-            self.metrics["merged"].increment(1)
-            self.metrics["merge_step"].increment(result.lora_step)
-        if result.lora_waited:
-            self.metrics["waits"].increment(1)
+            self.metrics.increment("merged", 1)
+            self.metrics.increment("merge_step", result.lora_step)
+        self.metrics.increment("waits", int(result.lora_waited))
 
 
 class TritonPythonModel:

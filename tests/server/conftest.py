@@ -45,3 +45,12 @@ def client(request, server):
 def http_client(server):
     with EaselClient(server.url_http, protocol="http") as c:
         yield c
+
+
+def metric_values(server, name: str) -> dict[str, float]:
+    """The values of one Prometheus metric on the server's metrics port, by label set."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=10).read().decode()
+    return {line.split("{", 1)[1].rsplit("}", 1)[0]: float(line.rsplit(" ", 1)[1])
+            for line in text.splitlines() if line.startswith(name + "{")}

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import dataclasses
 import shutil
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -13,7 +12,7 @@ import pytest
 from clients.client import EaselClient, EaselError
 from clients.serve import TritonServer
 from export.repository import export_repository
-from tests.server.conftest import OPTIONS
+from tests.server.conftest import OPTIONS, metric_values
 from tests.server.test_controlnet import png
 from tests.server.test_exact import pixels
 
@@ -36,8 +35,7 @@ def shared(tiny_model, tmp_path_factory):
 
 
 def metric(server, name: str) -> float:
-    text = urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=10).read().decode()
-    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+    return sum(metric_values(server, name).values())
 
 
 def test_two_denoisers_share_one_controlnet_service(shared, server):
@@ -72,13 +70,8 @@ def test_broken_controlnet_file_fails_its_request_only(shared):
 
 
 def per_instance(server, name: str) -> dict[str, float]:
-    text = urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=10).read().decode()
-    out: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith(name + "{"):
-            instance = line.split('instance="', 1)[1].split('"', 1)[0]
-            out[instance] = out.get(instance, 0.0) + float(line.rsplit(" ", 1)[1])
-    return out
+    return {labels.split('instance="', 1)[1].split('"', 1)[0]: value
+            for labels, value in metric_values(server, name).items()}
 
 
 def test_controlnets_of_one_request_spread_over_service_instances(shared):

@@ -79,11 +79,10 @@ def test_info_says_where_the_lora_landed(http_client):
 
 
 def test_lora_metrics(server, http_client):
-    import urllib.request
+    from tests.server.conftest import metric_values
 
     def value(name):
-        text = urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=10).read().decode()
-        return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines() if line.startswith(name + "{"))
+        return sum(metric_values(server, name).values())
 
     before = {n: value(n) for n in ("easel_lora_loads_total", "easel_lora_loaded_bytes_total",
                                     "easel_lora_merged_requests_total")}
