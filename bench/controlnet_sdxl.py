@@ -65,6 +65,23 @@ def time_diffusers(model: Path, store: Path, size: int, steps: int, runs: int) -
     return out
 
 
+CALL_METRICS = ("easel_controlnet_calls_total", "easel_controlnet_call_seconds_total",
+                "easel_controlnet_wait_seconds_total", "easel_controlnet_compute_seconds_total")
+
+
+def read_metrics(port: int) -> dict[str, float]:
+    """The ControlNet call metrics, summed over models and instances."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://localhost:{port}/metrics", timeout=10).read().decode()
+    totals = dict.fromkeys(CALL_METRICS, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
 def time_server(repo: Path, size: int, steps: int, runs: int, extra_args=()) -> dict[int, dict]:
     from clients.client import EaselClient
     from clients.serve import TritonServer
@@ -78,12 +95,22 @@ def time_server(repo: Path, size: int, steps: int, runs: int, extra_args=()) -> 
                 controls = dict(controlnets=NAMES[:count], control_images=images[:count]) if count else {}
                 client.generate("warm up", width=size, height=size, steps=2, seed=0, **controls)
                 latencies, infos = [], []
+                before = read_metrics(server.metrics_port)
                 for i in range(runs):
                     start = time.perf_counter()
                     infos.append(client.generate("a house", width=size, height=size, steps=steps, seed=i,
                                                  **controls).info)
                     latencies.append(time.perf_counter() - start)
-                out[count] = {"e2e_s": latencies, "denoise_s": [i["stages_s"]["denoise_s"] for i in infos]}
+                after = read_metrics(server.metrics_port)
+                delta = {k.removeprefix("easel_controlnet_"): after[k] - before[k] for k in CALL_METRICS}
+                calls = delta.pop("calls_total")
+                out[count] = {"e2e_s": latencies, "denoise_s": [i["stages_s"]["denoise_s"] for i in infos],
+                              # per ControlNet call: BLS wall time, the service's own time, and the
+                              # decoder half's wait (per call of the step that waited)
+                              "per_call_s": {k.removesuffix("_total"): v / calls for k, v in delta.items()}
+                              if calls else {}}
+                log.info("%dC: e2e %s per call %s", count, [round(x, 3) for x in latencies],
+                         {k: round(v * 1e3, 1) for k, v in out[count]["per_call_s"].items()})
     return out
 
 
@@ -171,16 +198,21 @@ def main() -> None:
               "cuda_pool_gib": args.cuda_pool_gib}
     report["step_parts_s"] = parts = step_parts(model, store, args.size)
     report["gustafson_ideal"] = {c: gustafson(parts, c) for c in (1, 2)}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
     if not args.skip_diffusers:
         report["diffusers"] = time_diffusers(model, store, args.size, args.steps, args.runs)
+        args.out.write_text(json.dumps(report, indent=2, default=str))
     base = ExportOptions(device="cuda", dtype="fp16", gpus=(0,), max_size=args.size, adapters=str(store),
                          controlnet_instances=2, controlnet_cache_gib=32)
-    placements = {"same_gpu": (0,)} | ({"own_gpu": (1,)} if args.gpus > 1 else {})
-    for label, cn_gpus in placements.items():
+    # label: (the service's GPUs, mode); pipelined is approximate (step t uses step t-1's residuals)
+    placements = {"same_gpu": ((0,), "sync")} | (
+        {"own_gpu": ((1,), "sync"), "own_gpu_pipelined": ((1,), "pipelined")} if args.gpus > 1 else {})
+    for label, (cn_gpus, mode) in placements.items():
         repo = args.work / f"repo-{label}"
-        export_repository(model, repo, dataclasses.replace(base, controlnet_gpus=cn_gpus))
+        export_repository(model, repo, dataclasses.replace(base, controlnet_gpus=cn_gpus, controlnet_mode=mode))
         pool = [f"--cuda-memory-pool-byte-size={g}:{args.cuda_pool_gib * 2**30}" for g in range(args.gpus)]
         report[label] = time_server(repo, args.size, args.steps, args.runs, pool if args.cuda_pool_gib else ())
+        args.out.write_text(json.dumps(report, indent=2, default=str))  # what a time limit leaves
 
     med = statistics.median
     for label in (() if args.skip_diffusers else ("diffusers",)) + tuple(placements):
@@ -188,7 +220,6 @@ def main() -> None:
         e2e = {c: med(rows[c] if label == "diffusers" else rows[c]["e2e_s"]) for c in (0, 1, 2)}
         report.setdefault("summary", {})[label] = e2e
         log.info("%-9s e2e median 0C %.3fs  1C %.3fs  2C %.3fs", label, e2e[0], e2e[1], e2e[2])
-    args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2, default=str))
     log.info("per step: %s; Gustafson ideal 1C %.2fx, 2C %.2fx", {k: round(v * 1000, 1) for k, v in parts.items()},
              report["gustafson_ideal"][1], report["gustafson_ideal"][2])

@@ -58,6 +58,9 @@ class ControlCall:
     embeds: torch.Tensor
     pooled: torch.Tensor
     time_ids: torch.Tensor
+    # On GPUs the tensors above are produced asynchronously on the denoiser's stream: a provider
+    # that reads them from another thread or process waits on this event first.
+    ready: Any = None
 
 
 Residuals = tuple[list[torch.Tensor], torch.Tensor]

@@ -67,6 +67,10 @@ class DenoiseLoop:
     # --- loop thread only below ---
 
     def _run(self) -> None:
+        with self.engine.on_stream():
+            self._loop()
+
+    def _loop(self) -> None:
         while not self._stopping.is_set():
             self._drain(block=not self.scheduler.has_work())
             self._reap_cancelled()

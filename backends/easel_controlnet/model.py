@@ -18,11 +18,13 @@ for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         site.addsitedir(_p)
 sys.path[:] = [p for p in sys.path if p not in _own] + _own
 
+import time  # noqa: E402
+
 import torch  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 from diffusers import ControlNetModel  # noqa: E402, F401  (pay the import when loading, not at the first miss)
 
-from backends.bls_controlnets import to_triton  # noqa: E402
+from backends.bls_controlnets import sync_current_stream, to_triton  # noqa: E402
 from backends.core.adapter_store import AdapterStore  # noqa: E402
 from backends.core.controlnet import ControlCall, run_controlnet  # noqa: E402
 from backends.core.controlnet_cache import ControlNetCache  # noqa: E402
@@ -42,6 +44,8 @@ class _CacheMetrics:
         "misses": ("easel_controlnet_cache_misses_total", "ControlNet calls that loaded from the store", "counter"),
         "evictions": ("easel_controlnet_cache_evictions_total", "ControlNets evicted", "counter"),
         "load_seconds": ("easel_controlnet_load_seconds_total", "seconds spent loading ControlNets", "counter"),
+        "compute_seconds": ("easel_controlnet_compute_seconds_total",
+                            "seconds from a call's inputs to its residuals, loads included", "counter"),
     }
     GAUGES = {
         "resident": ("easel_controlnet_resident", "ControlNets resident", "gauge"),
@@ -53,9 +57,9 @@ class _CacheMetrics:
         self.metrics = Metrics(labels, {**self.COUNTERS, **self.GAUGES})
         self.seen = {key: 0.0 for key in self.COUNTERS}
 
-    def update(self, cache: ControlNetCache) -> None:
+    def update(self, cache: ControlNetCache, compute_seconds: float) -> None:
         for key in self.COUNTERS:  # the cache counts in totals; Prometheus counters take increments
-            value = getattr(cache.stats, key)
+            value = compute_seconds if key == "compute_seconds" else getattr(cache.stats, key)
             self.metrics.increment(key, value - self.seen[key])
             self.seen[key] = value
         resident = cache.resident
@@ -72,14 +76,16 @@ class TritonPythonModel:
         self.cache = ControlNetCache(AdapterStore(adapter_store_folder(args)), self.placement,
                                      budget_bytes=int(params["cache_bytes"]))
         self.metrics = _CacheMetrics(args)
+        self.compute_seconds = 0.0
 
     def execute(self, requests):
         responses = each_request(requests, self._run, "controlnet")
-        self.metrics.update(self.cache)
+        self.metrics.update(self.cache, self.compute_seconds)
         return responses
 
     @torch.inference_mode()
     def _run(self, request):
+        start = time.perf_counter()
         name = scalar(pb_utils.get_input_tensor_by_name(request, "name").as_numpy()).decode()
         scale = float(_tensor(request, "scale", "cpu").reshape(-1)[0])  # may arrive on either device
         self.cache.store.controlnet(name)  # a clear error for a name the store does not hold
@@ -93,4 +99,6 @@ class TritonPythonModel:
             down, mid = run_controlnet(model, call)
         finally:
             self.cache.release(name)
+        sync_current_stream(mid)
+        self.compute_seconds += time.perf_counter() - start
         return [*(to_triton(f"down_{i}", d) for i, d in enumerate(down)), to_triton("mid", mid)]

@@ -56,6 +56,12 @@ def test_two_denoisers_share_one_controlnet_service(shared, server):
     hits, misses = metric(shared, "easel_controlnet_cache_hits_total"), metric(shared, "easel_controlnet_cache_misses_total")
     assert hits + misses == 18 and 1 <= misses <= 2
     assert metric(shared, "easel_controlnet_resident") >= 1
+    # Where the time went: the denoisers count the same 18 calls, whose BLS wall time covers the
+    # service's own time; the decoder half waited some of it.
+    assert metric(shared, "easel_controlnet_calls_total") == 18
+    call_s, compute_s = (metric(shared, f"easel_controlnet_{k}_seconds_total") for k in ("call", "compute"))
+    assert call_s >= compute_s > 0
+    assert 0 < metric(shared, "easel_controlnet_wait_seconds_total") <= call_s
 
 
 def test_broken_controlnet_file_fails_its_request_only(shared):
