@@ -49,6 +49,8 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--max-loras", type=int, default=3, help="LoRAs a request may use")
     exp.add_argument("--lora-bound-steps", type=int, default=0,
                      help="steps a request may run while its LoRAs load (0: wait for them; exact)")
+    exp.add_argument("--lora-loaders", type=int, default=2,
+                     help="processes per denoiser that load LoRA files (in parallel; one that crashes is replaced)")
     exp.add_argument("--controlnet-gpus", type=_gpus, default=None,
                      help="GPU ids of the ControlNet service (default: the denoisers' GPUs)")
     exp.add_argument("--controlnet-instances", type=int, default=2,
@@ -89,7 +91,7 @@ def main(argv: list[str] | None = None) -> int:
                                 generate_instances=args.generate_instances, max_batch_rows=args.max_batch_rows,
                                 max_running=args.max_batch_rows, onnx=args.onnx, adapters=args.adapters,
                                 max_controlnets=args.max_controlnets, max_loras=args.max_loras,
-                                lora_bound_steps=args.lora_bound_steps,
+                                lora_bound_steps=args.lora_bound_steps, lora_loaders=args.lora_loaders,
                                 controlnet_gpus=args.controlnet_gpus,
                                 controlnet_instances=args.controlnet_instances,
                                 controlnet_cache_gib=args.controlnet_cache_gib, controlnet_mode=args.controlnet_mode)

@@ -11,6 +11,7 @@ deployment's `--lora-bound-steps`.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 from pathlib import Path
@@ -46,7 +47,7 @@ def profile_loras(repo: str | Path, names: list[str] | None = None, steps: int =
     from backends.core.adapter_store import AdapterStore
     from backends.core.denoise_engine import TorchDenoiser
     from backends.core.lora import load_lora
-    from backends.core.params import Limits, validate
+    from backends.core.params import Limits, LoraParams, validate
     from backends.core.placement import Placement
     from backends.core.text_encoding import PromptEncoder
     from export.triton_config import read_parameters
@@ -61,7 +62,7 @@ def profile_loras(repo: str | Path, names: list[str] | None = None, steps: int =
     store = AdapterStore(repo / params["adapters"])
     limits = Limits.from_json(params["limits"])
     engine = TorchDenoiser(denoiser / "1", placement)
-    encoder = PromptEncoder(repo / "text_encoder" / "1", placement)
+    encoder = PromptEncoder(repo / "text_encoder" / "1", placement, store)
     size = size or limits.default_width
 
     bounds = {}
@@ -71,6 +72,9 @@ def profile_loras(repo: str | Path, names: list[str] | None = None, steps: int =
         for seed in range(seeds):
             p = validate({"prompt": "a photo of a city street at dusk", "seed": seed, "steps": steps,
                           "width": size, "height": size}, limits)
+            # Both runs get the LoRA's text-encoder layers (a request has them from the start):
+            # only the UNet part is what lands late.
+            p = dataclasses.replace(p, loras=(LoraParams(name, 1.0),))
             ks.append(first_divergent_step(latents_per_step(engine, encoder, p, lora),
                                            latents_per_step(engine, encoder, p, ()), threshold))
         bounds[name] = min(ks)

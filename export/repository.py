@@ -45,6 +45,7 @@ class ExportOptions:
     max_controlnets: int = 3
     max_loras: int = 3
     lora_bound_steps: int = 0  # steps a request may run before its LoRAs must be merged (0: exact)
+    lora_loaders: int = 2  # LoRA loader processes per denoiser
     controlnet_gpus: tuple[int, ...] | None = None  # the service's GPUs; default: the denoisers'
     controlnet_instances: int = 2  # per GPU (or on CPU): ControlNets that run at once
     controlnet_cache_gib: float = 16.0  # resident ControlNets per instance
@@ -58,6 +59,8 @@ class ExportOptions:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {list(DTYPE_NAMES)}")
         if self.device == "cuda" and not self.gpus:
             raise ValueError("gpus: at least one GPU id is needed with --device cuda")
+        if self.lora_loaders < 1:
+            raise ValueError(f"lora_loaders: {self.lora_loaders} is not a positive number of processes")
 
     @property
     def resolved_dtype(self) -> str:
@@ -105,8 +108,11 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
                     size_multiple=vae_scale_factor, default_steps=options.default_steps, max_steps=options.max_steps,
                     max_controlnets=options.max_controlnets, max_loras=options.max_loras)
     engine_params = {"dtype": dtype}
+    # The adapter store, relative to the repository so that it moves with it.
+    store = os.path.relpath(Path(options.adapters).resolve(), repo.resolve()) if options.adapters else None
 
-    # text_encoder: both CLIP encoders and tokenizers, as transformers folders.
+    # text_encoder: both CLIP encoders and tokenizers, as transformers folders; with the adapter
+    # store, since LoRAs' text-encoder layers apply there.
     model = _fresh_model_dir(repo, "text_encoder")
     for name in ("text_encoder", "text_encoder_2", "tokenizer", "tokenizer_2"):
         component = getattr(pipe, name)
@@ -115,10 +121,10 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
     (model / VERSION / OPTIONS_FILE).write_text(
         json.dumps({"force_zeros_for_empty_prompt": bool(pipe.config.force_zeros_for_empty_prompt)}))
     (model / "config.pbtxt").write_text(python_model(
-        "text_encoder", "easel_text_encoder", contract.TEXT_ENCODER, options.instances(), engine_params))
+        "text_encoder", "easel_text_encoder", contract.TEXT_ENCODER, options.instances(),
+        {**engine_params, "adapters": store} if store else engine_params))
 
-    if options.adapters:  # the ControlNet service, placed on its own GPUs (or the denoisers')
-        store = os.path.relpath(Path(options.adapters).resolve(), repo.resolve())  # moves with the repo
+    if store:  # the ControlNet service, placed on its own GPUs (or the denoisers')
         model = _fresh_model_dir(repo, "controlnet")
         decl = contract.controlnet_decl(num_skips(pipe.unet), contract.WIRE_DTYPES[dtype])
         (model / "config.pbtxt").write_text(python_model(
@@ -146,7 +152,7 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
         gpu = options.gpus[index] if options.device == "cuda" else None
         params = {**engine_params, "max_running": str(options.max_running),
                   "max_batch_rows": str(options.max_batch_rows), "limits": limits.to_json(),
-                  "lora_bound_steps": str(options.lora_bound_steps)}
+                  "lora_bound_steps": str(options.lora_bound_steps), "lora_loaders": str(options.lora_loaders)}
         if options.adapters:
             params.update(adapters=store, controlnet_model="controlnet", controlnet_mode=options.controlnet_mode)
         if index:

@@ -46,13 +46,18 @@ def write_tiny_controlnets(store: str | Path, unet, seed: int = 0, names=TINY_CO
     return written
 
 
-TINY_LORAS = {"papercut": ("peft", 4, None), "inkwash": ("kohya", 8, 4.0)}  # name: (layout, rank, alpha)
+TINY_LORAS = {"papercut": ("peft", 4, None), "inkwash": ("kohya", 8, 4.0),  # name: (layout, rank, alpha)
+              "charcoal": ("kohya", 4, 2.0)}
+TEXT_ENCODER_LORAS = ("charcoal",)  # these also have layers for both text encoders
 # The layers real SDXL LoRAs touch: attention projections and the feed-forward output.
 LORA_TARGETS = re.compile(r"attn[12]\.(to_q|to_k|to_v|to_out\.0)$|ff\.net\.2$")
+# ... and in the CLIP text encoders (kohya's train_network default): attention and MLP Linears.
+TEXT_LORA_TARGETS = re.compile(r"self_attn\.(q_proj|k_proj|v_proj|out_proj)$|mlp\.(fc1|fc2)$")
 
 
-def write_tiny_loras(store: str | Path, unet, seed: int = 0) -> list[Path]:
-    """Random UNet LoRAs in the two layouts found in the wild: diffusers/PEFT and kohya."""
+def write_tiny_loras(store: str | Path, unet, seed: int = 0, text_encoders=()) -> list[Path]:
+    """Random LoRAs in the two layouts found in the wild: diffusers/PEFT and kohya. Those in
+    TEXT_ENCODER_LORAS also get layers for `text_encoders` (the pipeline's two CLIP encoders)."""
     from safetensors.torch import save_file
 
     targets = [n for n, m in unet.named_modules() if isinstance(m, torch.nn.Linear) and LORA_TARGETS.search(n)]
@@ -73,6 +78,10 @@ def write_tiny_loras(store: str | Path, unet, seed: int = 0) -> list[Path]:
                 key = "lora_unet_" + module.replace(".", "_")
                 state.update({f"{key}.lora_down.weight": down, f"{key}.lora_up.weight": up,
                               f"{key}.alpha": torch.tensor(alpha)})
+        if name in TEXT_ENCODER_LORAS:
+            if len(text_encoders) != 2 or layout != "kohya":
+                raise ValueError(f"LoRA {name!r} needs the two text encoders and the kohya layout")
+            state.update(_kohya_text_layers(text_encoders, rank, alpha, generator))
         path = folder / f"{name}.safetensors"
         save_file({k: v.contiguous() for k, v in state.items()}, str(path))
         written.append(path)
@@ -80,12 +89,31 @@ def write_tiny_loras(store: str | Path, unet, seed: int = 0) -> list[Path]:
     return written
 
 
+def _kohya_text_layers(text_encoders, rank: int, alpha: float, generator) -> dict[str, torch.Tensor]:
+    """kohya names the encoders lora_te1_/lora_te2_ and always spells the `text_model.` that
+    transformers 5 dropped from CLIPTextModel."""
+    state = {}
+    for prefix, encoder in zip(("lora_te1_", "lora_te2_"), text_encoders):
+        for module, linear in encoder.named_modules():
+            if not (isinstance(linear, torch.nn.Linear) and TEXT_LORA_TARGETS.search(module)):
+                continue
+            key = prefix + "text_model_" + module.removeprefix("text_model.").replace(".", "_")
+            state[f"{key}.lora_down.weight"] = torch.randn(rank, linear.in_features, generator=generator) * 0.2
+            state[f"{key}.lora_up.weight"] = torch.randn(linear.out_features, rank, generator=generator) * 0.2
+            state[f"{key}.alpha"] = torch.tensor(alpha)
+    return state
+
+
 def write_tiny_adapter_store(pipeline_dir: str | Path, store: str | Path | None = None, seed: int = 0) -> Path:
     """An adapter store for the tiny pipeline in `pipeline_dir` (default: `<pipeline_dir>/adapters`)."""
     from diffusers import UNet2DConditionModel
+    from transformers import CLIPTextModel, CLIPTextModelWithProjection
 
     store = Path(store) if store is not None else Path(pipeline_dir) / "adapters"
     unet = UNet2DConditionModel.from_pretrained(Path(pipeline_dir) / "unet", use_safetensors=True)
+    text_encoders = (CLIPTextModel.from_pretrained(Path(pipeline_dir) / "text_encoder", use_safetensors=True),
+                     CLIPTextModelWithProjection.from_pretrained(Path(pipeline_dir) / "text_encoder_2",
+                                                                 use_safetensors=True))
     write_tiny_controlnets(store, unet, seed)
-    write_tiny_loras(store, unet, seed)
+    write_tiny_loras(store, unet, seed, text_encoders)
     return store

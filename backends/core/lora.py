@@ -6,13 +6,12 @@ a file loads here exactly when it loads in diffusers. Merge: W = W0 + sum_i s_i 
 B_i @ A_i, computed in fp32 from the saved original W0 (merging again never accumulates
 rounding, and LoRAs never multiply each other). Restore copies W0 back: bit for bit, no
 `W -= ...` drift. Writes are in place (`copy_`), so captured CUDA graphs keep seeing the weights.
-
-Text-encoder layers are refused with a clear error for now (issue 4 applies them before the
-prompt is encoded).
+Text-encoder layers are applied by the text encoder (backends/core/text_encoding.py).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -38,23 +37,51 @@ class LoraWeights:
     name: str
     unet: dict[str, LoraLayer]
     nbytes: int
+    # "text_encoder" / "text_encoder_2" -> layers by module path in that encoder (as diffusers names them)
+    text_encoders: dict[str, dict[str, LoraLayer]] = field(default_factory=dict)
+
+    def layers(self, component: str = "unet") -> dict[str, LoraLayer]:
+        return self.unet if component == "unet" else self.text_encoders.get(component, {})
 
 
-def load_lora(name: str, path: str | Path) -> LoraWeights:
-    """A LoRA file (safetensors; the store never indexes anything else) as per-module layers."""
+TEXT_ENCODERS = ("text_encoder", "text_encoder_2")
+# Keys of a file's text-encoder part: diffusers/PEFT prefixes and kohya's (te = te1 = the first encoder).
+TEXT_ENCODER_PREFIXES = ("text_encoder.", "text_encoder_2.", "lora_te_", "lora_te1_", "lora_te2_")
+# The Linear layers diffusers reads a text-encoder LoRA's ranks from (lora_base._load_lora_into_text_encoder).
+_TEXT_RANK_MODULES = (".q_proj", ".k_proj", ".v_proj", ".out_proj", ".fc1", ".fc2")
+
+
+def load_lora(name: str, path: str | Path, text_encoders_only: bool = False) -> LoraWeights:
+    """A LoRA file (safetensors; the store never indexes anything else) as per-module layers.
+    `text_encoders_only` reads just the text-encoder keys (a file without them gives no layers)."""
     from diffusers import StableDiffusionXLPipeline
     from diffusers.utils import convert_unet_state_dict_to_peft
 
     try:
-        state, alphas = StableDiffusionXLPipeline.lora_state_dict(str(path))
+        if text_encoders_only:
+            from safetensors import safe_open
+
+            # Only the few MiB of text-encoder tensors come off the disk, not the UNet's hundreds.
+            with safe_open(str(path), framework="pt") as f:
+                source = {k: f.get_tensor(k) for k in f.keys() if k.startswith(TEXT_ENCODER_PREFIXES)}
+            if not source:
+                return LoraWeights(name, {}, 0)
+        else:
+            source = str(path)
+        state, alphas = StableDiffusionXLPipeline.lora_state_dict(source)
     except Exception as exc:  # truncated or foreign files: diffusers says what is wrong
         raise InvalidInput("loras", f"{name!r} cannot be read as a LoRA ({exc.__class__.__name__}: {exc})") from None
-    other = sorted({k.split(".", 1)[0] for k in state if not k.startswith("unet.")})
+    other = sorted({k.split(".", 1)[0] for k in state if k.split(".", 1)[0] not in ("unet", *TEXT_ENCODERS)})
     if other:
-        raise InvalidInput("loras", f"{name!r} has layers for {other}; only UNet layers are supported yet")
-    peft = convert_unet_state_dict_to_peft({k[len("unet."):]: v for k, v in state.items()})
+        raise InvalidInput("loras", f"{name!r} has layers for {other}, not an SDXL UNet or text encoder")
+    text = {te: _text_encoder_layers(name, state, alphas, te) for te in TEXT_ENCODERS}
+    text = {te: layers for te, layers in text.items() if layers}
+    unet_state = {k[len("unet."):]: v for k, v in state.items() if k.startswith("unet.")}
+    peft = convert_unet_state_dict_to_peft(unet_state) if unet_state else {}
     module_alpha = {}
     for key, alpha in (alphas or {}).items():  # kohya: "<module path>.down.weight.alpha" in diffusers' old naming
+        if not key.startswith("unet."):
+            continue
         converted = convert_unet_state_dict_to_peft({key[len("unet."):-len(".alpha")]: torch.empty(0)})
         (peft_key,) = converted
         module_alpha[peft_key.rsplit(".lora_", 1)[0]] = float(alpha)
@@ -64,15 +91,66 @@ def load_lora(name: str, path: str | Path) -> LoraWeights:
         if not key.endswith(".lora_A.weight"):
             continue
         module = key[: -len(".lora_A.weight")]
-        up = peft.get(f"{module}.lora_B.weight")
-        if up is None or down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0]:
-            raise InvalidInput("loras", f"{name!r}: layer {module} is not a pair of rank-{down.shape[0]} matrices")
         rank = down.shape[0]
-        layers[module] = LoraLayer(down, up, module_alpha.get(module, rank) / rank)
-    if not layers:
+        layers[module] = _layer(name, module, down, peft.get(f"{module}.lora_B.weight"), rank,
+                                module_alpha.get(module, rank))
+    if not layers and not text and not text_encoders_only:
         raise InvalidInput("loras", f"{name!r} holds no LoRA layers")
-    nbytes = sum(t.numel() * t.element_size() for t in peft.values())
-    return LoraWeights(name, layers, nbytes)
+    nbytes = sum(t.numel() * t.element_size() for t in state.values())
+    return LoraWeights(name, layers, nbytes, text)
+
+
+def _layer(name: str, module: str, down: torch.Tensor, up: torch.Tensor | None, rank: int, alpha: float) -> LoraLayer:
+    if up is None or down.ndim != 2 or up.ndim != 2 or up.shape[1] != down.shape[0] or down.shape[0] != rank:
+        raise InvalidInput("loras", f"{name!r}: layer {module} is not a pair of rank-{rank} matrices")
+    return LoraLayer(down, up, alpha / rank)
+
+
+@functools.cache
+def _flattened(component: str) -> bool:
+    """Whether the installed transformers' encoder has no `text_model.` level (CLIPTextModel since
+    transformers 5), asked of a tiny instance on the meta device, as diffusers asks the real one."""
+    from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
+
+    cls = CLIPTextModel if component == "text_encoder" else CLIPTextModelWithProjection
+    config = CLIPTextConfig(vocab_size=8, hidden_size=8, intermediate_size=8, projection_dim=8, num_hidden_layers=1,
+                            num_attention_heads=1, max_position_embeddings=8, bos_token_id=0, eos_token_id=1,
+                            pad_token_id=1)
+    with torch.device("meta"):
+        return not hasattr(cls(config), "text_model")
+
+
+def _text_encoder_layers(name: str, state: dict, alphas: dict | None, prefix: str) -> dict[str, LoraLayer]:
+    """One text encoder's layers, scaled as diffusers scales them: its own LoraConfig (get_peft_kwargs)
+    resolved per module by PEFT's pattern lookup. That matters when a kohya file's alphas differ per
+    layer: diffusers names the attention ones by their block (they match nothing) and the MLP ones
+    with `text_model.` (they match only where the encoder keeps it); the rest get the most common."""
+    from diffusers.utils import convert_state_dict_to_diffusers, convert_state_dict_to_peft, get_peft_kwargs
+    from peft.utils.other import get_pattern_key
+
+    part = {k[len(prefix) + 1:]: v for k, v in state.items() if k.startswith(prefix + ".")}
+    if not part:
+        return {}
+    try:
+        peft = convert_state_dict_to_peft(convert_state_dict_to_diffusers(part))
+        if _flattened(prefix):  # as diffusers does, so that paths and alpha patterns match alike
+            peft = {k.removeprefix("text_model."): v for k, v in peft.items()}
+        ranks = {k: v.shape[1] for k, v in peft.items()
+                 if k.endswith(".lora_B.weight") and k[: -len(".lora_B.weight")].endswith(_TEXT_RANK_MODULES)}
+        net_alphas = {k[len(prefix) + 1:]: v for k, v in (alphas or {}).items() if k.split(".")[0] == prefix}
+        config = get_peft_kwargs(ranks, net_alphas or None, peft, is_unet=False)
+    except Exception as exc:  # what diffusers' load_lora_weights would fail on too
+        raise InvalidInput("loras", f"{name!r} cannot be read as a LoRA for {prefix} "
+                                    f"({exc.__class__.__name__}: {exc})") from None
+    layers = {}
+    for key, down in peft.items():
+        if not key.endswith(".lora_A.weight"):
+            continue
+        module = key[: -len(".lora_A.weight")]
+        rank = config["rank_pattern"].get(get_pattern_key(config["rank_pattern"], module), config["r"])
+        alpha = config["alpha_pattern"].get(get_pattern_key(config["alpha_pattern"], module), config["lora_alpha"])
+        layers[module] = _layer(name, module, down, peft.get(f"{module}.lora_B.weight"), rank, float(alpha))
+    return layers
 
 
 @dataclass
@@ -88,16 +166,13 @@ class LoraMerger:
         deltas: dict[str, torch.Tensor] = {}
         for lora, scale in loras:
             for module, layer in lora.unet.items():
-                weight = self._weight(lora.name, module)
+                weight = _linear_weight(self.model, lora.name, module, layer)
                 delta = scale * layer.delta(weight.device)
-                if delta.shape != weight.shape:
-                    raise InvalidInput("loras", f"{lora.name!r}: layer {module} is {tuple(delta.shape)}, "
-                                                f"the base model's is {tuple(weight.shape)}")
                 deltas[module] = deltas[module] + delta if module in deltas else delta
         # Checked everything above: now change the weights (all or nothing).
         self.restore(keep=set(deltas))
         for module, delta in deltas.items():
-            weight = self._weight("", module)
+            weight = _linear_weight(self.model, "", module)
             if module not in self._saved:
                 self._saved[module] = weight.detach().clone()
             original = self._saved[module]
@@ -108,13 +183,19 @@ class LoraMerger:
         """Put back the original weights (except those in `keep`, about to be overwritten)."""
         for module in list(self._saved):
             if module not in keep:
-                self._weight("", module).copy_(self._saved.pop(module))
+                _linear_weight(self.model, "", module).copy_(self._saved.pop(module))
 
-    def _weight(self, lora_name: str, module: str) -> torch.Tensor:
-        try:
-            return self.model.get_submodule(module).weight
-        except AttributeError:
-            raise InvalidInput("loras", f"{lora_name!r}: layer {module} does not exist in the base model") from None
+
+def _linear_weight(model: torch.nn.Module, lora_name: str, module: str, layer: LoraLayer | None = None) -> torch.Tensor:
+    """The weight a LoRA layer changes; a clear error when the base model has no such layer or shape."""
+    try:
+        weight = model.get_submodule(module).weight
+    except AttributeError:
+        raise InvalidInput("loras", f"{lora_name!r}: layer {module} does not exist in the base model") from None
+    if layer is not None and (layer.up.shape[0], layer.down.shape[1]) != tuple(weight.shape):
+        raise InvalidInput("loras", f"{lora_name!r}: layer {module} is {(layer.up.shape[0], layer.down.shape[1])}, "
+                                    f"the base model's is {tuple(weight.shape)}")
+    return weight
 
 
 LoraSet = tuple[tuple[LoraWeights, float], ...]  # the LoRAs of one request, with their scales
@@ -127,15 +208,16 @@ def lora_key(loras: LoraSet) -> tuple[tuple[str, float], ...]:
 class UnmergedLoras:
     """For a batch whose requests carry different LoRA sets: each touched Linear adds
     scale * (x @ A^T) @ B^T on the rows of the requests that use that LoRA, the weights untouched.
-    Used as a context manager around the batch's forward pass."""
+    Used as a context manager around the batch's forward pass. This is also how diffusers runs an
+    unfused LoRA (PEFT adds lora_B(lora_A(x)) * scaling to the base output)."""
 
-    def __init__(self, model: torch.nn.Module, segments: list[tuple[slice, LoraSet]]):
+    def __init__(self, model: torch.nn.Module, segments: list[tuple[slice, LoraSet]], component: str = "unet"):
         self.model = model
         self.parts: dict[str, list[tuple[slice, torch.Tensor, torch.Tensor, float]]] = {}
         for rows, loras in segments:
             for lora, scale in loras:
-                for module, layer in lora.unet.items():
-                    weight = model.get_submodule(module).weight
+                for module, layer in lora.layers(component).items():
+                    weight = _linear_weight(model, lora.name, module, layer)
                     self.parts.setdefault(module, []).append(
                         (rows, layer.down.to(weight.device, weight.dtype), layer.up.to(weight.device, weight.dtype),
                          scale * layer.scale))

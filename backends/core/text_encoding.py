@@ -4,24 +4,68 @@ Both CLIP encoders read the prompt; the penultimate hidden states are concatenat
 second encoder's projected output is the pooled embedding. Without a negative prompt and with
 `force_zeros_for_empty_prompt` the unconditional rows are zeros; an explicit negative prompt
 (even "") is encoded. Rows come out negative first, the order the UNet batch uses.
+
+A request's LoRAs with text-encoder layers apply to both encoders for that request's encoding
+only, unmerged (forward hooks, as diffusers runs an unfused LoRA): the weights are never written.
 """
 
 from __future__ import annotations
 
 import json
+from contextlib import ExitStack
 from pathlib import Path
+from typing import Sequence
 
 import numpy as np
 import torch
 
+from .adapter_store import AdapterStore
+from .lora import TEXT_ENCODERS, LoraSet, LoraWeights, UnmergedLoras, load_lora
 from .placement import Placement
-from .params import GenerateParams
+from .params import GenerateParams, InvalidInput, LoraParams
 
 OPTIONS_FILE = "text_options.json"
 
 
+class TextEncoderLoras:
+    """The text-encoder parts of LoRAs, read from the store (only those keys) and kept in a small
+    LRU; an entry is read again when its file's mtime or size changes."""
+
+    def __init__(self, store: AdapterStore | None, capacity: int = 16):
+        self.store, self.capacity = store, capacity
+        self._cache: dict[str, tuple[tuple[int, int] | None, LoraWeights]] = {}  # insertion order = recency
+        self.reads = 0
+
+    def get(self, loras: Sequence[LoraParams]) -> LoraSet:
+        """The request's LoRAs that have text-encoder layers, with their scales."""
+        if not loras:
+            return ()
+        if self.store is None:
+            raise InvalidInput("loras", "this deployment has no adapter store")
+        entries = [self.store.lora(p.name) for p in loras]  # unknown names fail before any read
+        out = []
+        for p, entry in zip(loras, entries):
+            try:
+                stat = entry.path.stat()
+                stamp = (stat.st_mtime_ns, stat.st_size)
+            except OSError:
+                stamp = None  # not cached: load_lora says what is wrong
+            cached = self._cache.pop(p.name, None)
+            if cached is not None and cached[0] == stamp:
+                weights = cached[1]
+            else:
+                weights = load_lora(p.name, entry.path, text_encoders_only=True)
+                self.reads += 1
+            self._cache[p.name] = (stamp, weights)
+            while len(self._cache) > self.capacity:
+                self._cache.pop(next(iter(self._cache)))
+            if weights.text_encoders:
+                out.append((weights, p.scale))
+        return tuple(out)
+
+
 class PromptEncoder:
-    def __init__(self, folder: str | Path, placement: Placement):
+    def __init__(self, folder: str | Path, placement: Placement, store: AdapterStore | None = None):
         from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
         folder = Path(folder)
@@ -38,6 +82,7 @@ class PromptEncoder:
             enc.to(self.device).eval()
         options = json.loads((folder / OPTIONS_FILE).read_text())
         self.force_zeros_for_empty_prompt = bool(options["force_zeros_for_empty_prompt"])
+        self.loras = TextEncoderLoras(store)
 
     def _encode(self, text: str, max_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, pooled = [], None
@@ -52,6 +97,13 @@ class PromptEncoder:
 
     @torch.inference_mode()
     def encode(self, params: GenerateParams) -> tuple[np.ndarray, np.ndarray]:
+        loras = self.loras.get(params.loras)
+        with ExitStack() as hooks:  # removed on the way out, whatever happens
+            for component, encoder in zip(TEXT_ENCODERS, self.encoders):
+                hooks.enter_context(UnmergedLoras(encoder, [(slice(None), loras)], component))
+            return self._encode_params(params)
+
+    def _encode_params(self, params: GenerateParams) -> tuple[np.ndarray, np.ndarray]:
         embeds, pooled = self._encode(params.prompt)
         if params.cfg:
             if params.negative_prompt is None and self.force_zeros_for_empty_prompt:

@@ -20,9 +20,8 @@ sys.path[:] = [p for p in sys.path if p not in _own] + _own
 
 import json  # noqa: E402
 import queue  # noqa: E402
-from concurrent.futures import ThreadPoolExecutor  # noqa: E402
+from concurrent.futures import Future  # noqa: E402
 import threading  # noqa: E402
-import time  # noqa: E402
 import uuid  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -35,7 +34,8 @@ from backends.core.adapter_inputs import decode_control_image  # noqa: E402
 from backends.core.controlnet import ControlInput  # noqa: E402
 from backends.core.denoise_engine import DenoiseJob, TorchDenoiser  # noqa: E402
 from backends.core.denoise_loop import DenoiseLoop, DenoiseResult  # noqa: E402
-from backends.core.lora import BOUNDS_FILE, load_lora  # noqa: E402
+from backends.core.lora import BOUNDS_FILE  # noqa: E402
+from backends.core.lora_loader import LoraLoaderPool  # noqa: E402
 from backends.core.params import InvalidInput, Limits  # noqa: E402
 from backends.core.step_scheduler import SchedulerConfig  # noqa: E402
 from backends.core.unet_split import num_skips  # noqa: E402
@@ -71,9 +71,36 @@ class LoraMetrics:
         self.metrics.increment("waits", int(result.lora_waited))
 
 
+class ControlNetCallMetrics:
+    """Where a step's ControlNet time goes, as seen by this denoiser (updated from the sender
+    thread only): calls made, their wall time by BLS, and how long the decoder half waited."""
+
+    def __init__(self, args, engine):
+        self.engine = engine
+        self.metrics = Metrics({"model": args["model_name"]}, {
+            "calls": ("easel_controlnet_calls_total", "ControlNet calls made by the denoiser", "counter"),
+            "call_s": ("easel_controlnet_call_seconds_total", "wall time of those calls (BLS)", "counter"),
+            "wait_s": ("easel_controlnet_wait_seconds_total",
+                       "seconds the decoder half waited for ControlNet residuals", "counter"),
+        })
+        self.seen = {"calls": 0, "call_s": 0.0, "wait_s": 0.0}
+
+    def update(self) -> None:
+        provider = self.engine.controlnets
+        totals = {"calls": self.engine.control_calls, "wait_s": self.engine.control_wait_s,
+                  "call_s": getattr(provider, "call_s", 0.0)}
+        for key, value in totals.items():  # totals in the engine, increments for Prometheus
+            self.metrics.increment(key, value - self.seen[key])
+            self.seen[key] = value
+
+
 class TritonPythonModel:
     def initialize(self, args):
         setup_logging()
+        # The loop thread launches kernels from Python while BLS threads wait for the GIL to hand
+        # ControlNet tensors over; the default 5 ms switch interval delays each hand-off by up to
+        # that much (bench/bls_transport.py measures it).
+        sys.setswitchinterval(0.001)
         self.name = args["model_name"]
         params = parameters(args)
         config = SchedulerConfig(max_running=int(params.get("max_running", 16)),
@@ -87,7 +114,9 @@ class TritonPythonModel:
         engine = TorchDenoiser(artifact_folder(args), where, controlnet_mode=params.get("controlnet_mode", "sync"))
         store_folder = adapter_store_folder(args)
         self.store = AdapterStore(store_folder) if store_folder else None
-        self.lora_loader = ThreadPoolExecutor(2, thread_name_prefix="easel-lora-loader")
+        # LoRA files load in separate processes (diffusers' conversion never holds this process's
+        # GIL; a loader that crashes fails its request only): backends/core/lora_loader.py.
+        self.lora_loader = LoraLoaderPool(int(params.get("lora_loaders", 2))) if self.store else None
         # Steps a request may run before its LoRAs must be merged: per LoRA from `easel
         # profile-lora`, else the deployment's (0: wait, exact).
         self.lora_bound = int(params.get("lora_bound_steps", 0))
@@ -98,6 +127,7 @@ class TritonPythonModel:
         if params.get("controlnet_model"):  # the ControlNet service, by BLS
             decl = controlnet_decl(num_skips(engine.unet), WIRE_DTYPES[where.dtype])
             engine.controlnets = BlsControlNets(params["controlnet_model"], decl, self.store)
+        self.control_metrics = ControlNetCallMetrics(args, engine)
         self.loop = DenoiseLoop(engine, self.outbox.put, config)
         self.loop.start()
 
@@ -115,19 +145,28 @@ class TritonPythonModel:
                 sender.send(error(f"denoiser: {exc}"), flags=FINAL)
                 continue
             self.pending[job.request_id] = (sender, params)
-            if params.loras:  # file I/O runs on the loader pool, never on Triton's thread or the loop
-                job.loras_pending = self.lora_loader.submit(self._load_loras, job.request_id, params)
+            if params.loras:  # file I/O runs in the loader processes, never on Triton's thread or the loop
+                job.loras_pending = self._load_loras(job.request_id, params)
                 job.lora_bound = min(self.lora_bounds.get(p.name, self.lora_bound) for p in params.loras)
             self.loop.submit(job)
         return None
 
-    def _load_loras(self, request_id, params):
-        if self.store is None:
-            raise InvalidInput("loras", "this deployment has no adapter store")
-        start = time.perf_counter()
-        loras = tuple((load_lora(p.name, self.store.lora(p.name).path), p.scale) for p in params.loras)
-        self.lora_loads[request_id] = (len(loras), time.perf_counter() - start, sum(w.nbytes for w, _ in loras))
-        return loras
+    def _load_loras(self, request_id, params) -> Future:
+        """A future of ((LoraWeights, scale), ...); errors travel in it, so they fail this request
+        at a step boundary like a load error does. Never blocks: the store's index is in memory."""
+        try:
+            if self.store is None:
+                raise InvalidInput("loras", "this deployment has no adapter store")
+            files = [(p.name, self.store.lora(p.name).path, p.scale) for p in params.loras]
+        except InvalidInput as exc:
+            failed = Future()
+            failed.set_exception(exc)
+            return failed
+
+        def loaded(stats):  # (count, seconds, bytes), set before the future resolves
+            self.lora_loads[request_id] = stats
+
+        return self.lora_loader.submit(files, on_loaded=loaded)
 
     def _controls(self, request, params):
         images = pb_utils.get_input_tensor_by_name(request, "control_images").as_numpy().reshape(-1)
@@ -139,6 +178,7 @@ class TritonPythonModel:
         while (result := self.outbox.get()) is not None:
             sender, params = self.pending.pop(result.request_id)
             self.metrics.record(self.lora_loads.pop(result.request_id, None), result)
+            self.control_metrics.update()
             if result.error is not None:
                 sender.send(error(f"denoiser: {result.error}"), flags=FINAL)
                 continue
@@ -149,7 +189,8 @@ class TritonPythonModel:
                 flags=FINAL)
 
     def finalize(self):
-        self.lora_loader.shutdown(wait=True, cancel_futures=True)
+        if self.lora_loader is not None:
+            self.lora_loader.shutdown()
         self.loop.shutdown()
         if self.loop.engine.controlnets is not None:
             self.loop.engine.controlnets.shutdown()

@@ -16,15 +16,18 @@ import time  # noqa: E402
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
+from backends.core.adapter_store import AdapterStore  # noqa: E402
 from backends.core.text_encoding import PromptEncoder  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
-    artifact_folder, each_request, params_tensor, placement, read_params, setup_logging)
+    adapter_store_folder, artifact_folder, each_request, params_tensor, placement, read_params, setup_logging)
 
 
 class TritonPythonModel:
     def initialize(self, args):
         setup_logging()
-        self.encoder = PromptEncoder(artifact_folder(args), placement(args))
+        store_folder = adapter_store_folder(args)  # LoRAs' text-encoder layers apply here
+        self.encoder = PromptEncoder(artifact_folder(args), placement(args),
+                                     AdapterStore(store_folder) if store_folder else None)
 
     def execute(self, requests):
         return each_request(requests, self._encode, "text_encoder")

@@ -11,6 +11,7 @@ from backends.core.lora import BOUNDS_FILE
 from export.cli import main
 from export.profile_lora import first_divergent_step
 from export.repository import ExportOptions, export_repository
+from export.tiny_adapters import TINY_LORAS
 
 
 def test_first_divergent_step():
@@ -25,7 +26,7 @@ def test_profile_lora_writes_bounds(tiny_model, tmp_path):
     export_repository(tiny_model, repo, dataclasses.replace(ExportOptions(), adapters=str(tiny_model / "adapters")))
     assert main(["profile-lora", "--repo", str(repo), "--steps", "6", "--size", "64", "--seeds", "1"]) == 0
     bounds = json.loads((repo / "denoiser" / "1" / BOUNDS_FILE).read_text())
-    assert set(bounds) == {"papercut", "inkwash"} and all(0 <= k <= 6 for k in bounds.values())
+    assert set(bounds) == set(TINY_LORAS) and all(0 <= k <= 6 for k in bounds.values())
     # A threshold no latent meets says "merge before step 0".
     assert main(["profile-lora", "--repo", str(repo), "--loras", "papercut", "--steps", "4", "--size", "64",
                  "--seeds", "1", "--threshold", "1.5"]) == 0

@@ -1,8 +1,14 @@
 """LoRAs through the server reproduce diffusers' load_lora_weights + set_adapters + fuse_lora
-(uint8 within 1/255, CPU fp32; today the request waits for its LoRAs before its first step);
-bad LoRA inputs fail that request alone."""
+(uint8 within 1/255, CPU fp32; today the request waits for its LoRAs before its first step),
+text-encoder layers included (applied by `text_encoder`, unfused); bad LoRA inputs fail that
+request alone."""
 
 from __future__ import annotations
+
+import os
+import signal
+import time
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -28,7 +34,8 @@ def reference(model, loras, controlnet=None, **req):
 
 @pytest.mark.parametrize("loras", [
     [("papercut", 1.0)], [("inkwash", 0.7)], [("papercut", 0.8), ("inkwash", 0.5)],
-], ids=["peft-layout", "kohya-layout", "two"])
+    [("charcoal", 0.7)], [("charcoal", 1.2), ("inkwash", 0.6)],
+], ids=["peft-layout", "kohya-layout", "two", "text-encoder-layers", "text-encoder-layers-and-unet-only"])
 def test_loras_match_diffusers(http_client, tiny_model, loras):
     req = dict(seed=6, steps=3, width=64, height=64)
     ours = http_client.generate("a fox in snow", loras=tuple(n for n, _ in loras),
@@ -91,3 +98,42 @@ def test_lora_metrics(server, http_client):
     assert value("easel_lora_loaded_bytes_total") > before["easel_lora_loaded_bytes_total"]
     assert value("easel_lora_merged_requests_total") - before["easel_lora_merged_requests_total"] == 1
     assert value("easel_lora_load_seconds_total") > 0
+
+
+def _children(pid: int) -> list[int]:
+    kids = []
+    for entry in os.listdir("/proc"):
+        try:
+            if entry.isdigit() and int(Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()[1]) == pid:
+                kids.append(int(entry))
+        except OSError:
+            pass  # gone meanwhile
+    return kids
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def test_killed_lora_loaders_are_replaced(server, http_client):
+    """The denoiser's LoRA loader processes (children of its stub running spawn_main) killed with SIGKILL: the
+    next LoRA request still succeeds, the server stays ready, no segment is left in /dev/shm."""
+    stubs = [p for p in _children(server.proc.pid) if "denoiser" in _cmdline(p)]
+    loaders = [p for stub in stubs for p in _children(stub) if "spawn_main" in _cmdline(p)]
+    assert stubs and len(loaders) == 2 * len(stubs)  # lora_loaders defaults to 2
+    for pid in loaders:
+        os.kill(pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while any(os.path.exists(f"/proc/{pid}") for pid in loaders):  # the denoiser notices and reaps them
+        assert time.monotonic() < deadline, "the killed loaders were never reaped"
+        time.sleep(0.2)
+
+    reply = http_client.generate("a fox", seed=1, steps=2, width=64, height=64, loras=("papercut", "inkwash"))
+    assert reply.image().size == (64, 64) and reply.info["lora_merged_at_step"] == 0
+    assert server.is_ready()
+    fresh = [p for stub in stubs for p in _children(stub) if "spawn_main" in _cmdline(p)]
+    assert len(fresh) == len(loaders) and not set(fresh) & set(loaders)
+    assert not [n for n in os.listdir("/dev/shm") for stub in stubs if n.startswith(f"easel-lora-{stub}-")]

@@ -1,0 +1,363 @@
+"""LoRA files loaded in separate processes, handed back through shared memory.
+
+Why processes: reading a LoRA runs diffusers' key conversion in Python; on threads of the
+denoiser's process it competes for the GIL with the step loop. Why not a pickled return value:
+tensors would be pickled through a pipe (slow, a second copy). Instead a worker writes the
+tensors as one safetensors file under /dev/shm (RAM, no pickle), sends back only small metadata
+(the segment's path, layer names and scales, bytes), and the parent reads the file and unlinks it
+at once.
+
+Each worker process has its own feeder thread in the parent that hands it one file at a time and
+waits for either its reply or its death. A worker that dies (killed, out of memory, a crash in
+native code) fails only the file it was loading; its feeder removes that file's segment and
+starts a fresh worker in its slot, so the denoiser never goes down with it.
+
+No Triton imports: the adapter (backends/easel_denoiser/model.py) drives this, tests drive it on CPU.
+"""
+
+from __future__ import annotations
+
+import glob
+import logging
+import multiprocessing
+import multiprocessing.connection
+import os
+import queue
+import sys
+import threading
+import time
+import uuid
+from concurrent.futures import Future, InvalidStateError
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+from .lora import LoraLayer, LoraWeights, load_lora
+from .params import InvalidInput
+
+log = logging.getLogger(__name__)
+
+SHM_DIR = "/dev/shm"
+SEGMENT_PREFIX = "easel-lora-"  # + <parent pid>-<pool id>-<worker pid>-<uuid>: leftovers are found by owner
+LoadStats = tuple[int, float, int]  # files, seconds spent loading them (summed), bytes of weights
+
+
+class LoraLoaderDied(RuntimeError):
+    """The worker loading a file died; the request may simply be sent again."""
+
+
+def python_executable() -> str:
+    """The interpreter for spawned workers: this very Python installation's. Not sys.executable
+    first: in Triton's Python-backend stub it names the stub binary or whichever `python3` is on
+    PATH, while the stub runs the system libpython; another build of the same version can lack
+    modules the system one has built in (Debian builds `_datetime` into libpython; pyenv's needs
+    its own lib-dynload, which the stub's sys.path lacks). The workers get this process's sys.path
+    from spawn, so they import exactly what this process imports."""
+    name = f"python{sys.version_info.major}.{sys.version_info.minor}"
+    for prefix in (sys.exec_prefix, sys.base_exec_prefix):  # a venv's own first, then its base
+        candidate = os.path.join(prefix, "bin", name)
+        if os.access(candidate, os.X_OK):
+            return candidate
+    if sys.executable and os.access(sys.executable, os.X_OK):
+        return sys.executable
+    raise RuntimeError(f"no {name} interpreter found under {sys.exec_prefix} to run LoRA loader processes")
+
+
+@dataclass
+class _Task:
+    name: str
+    path: str
+    future: Future = field(default_factory=Future)
+
+
+class _Worker:
+    """One loader process and the parent's end of its pipe."""
+
+    def __init__(self, ctx, load):
+        self.conn, child = ctx.Pipe()
+        self.process = ctx.Process(target=_worker_main, args=(child, load), name="easel-lora-loader", daemon=True)
+        self.process.start()
+        child.close()  # only the worker holds its end: its death shows up as EOF here
+        self.started = False  # it said "ready": its imports worked
+
+    def read_ready(self) -> None:
+        """Take the worker's "ready" if it has come (the feeder reads it when idle or before a reply)."""
+        try:
+            if not self.started and self.conn.poll():
+                self.started = self.conn.recv() == ("ready",)
+        except (EOFError, OSError):
+            pass  # died before it was ready
+
+    def stop(self, timeout: float = 10.0) -> None:
+        try:
+            if self.process.is_alive():
+                self.conn.send(None)
+        except OSError:
+            pass  # died meanwhile
+        self.process.join(timeout)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        self.conn.close()
+
+
+class LoraLoaderPool:
+    """`workers` loader processes. `load(name, path) -> LoraWeights` runs in them: a module-level
+    function (it crosses to the spawned process by name); tests pass one that sleeps or dies."""
+
+    def __init__(self, workers: int = 2, load: Callable[[str, str], LoraWeights] = load_lora,
+                 shm_dir: str = SHM_DIR):
+        if workers < 1:
+            raise ValueError(f"workers: {workers} is not a positive number of loader processes")
+        self.shm_dir = shm_dir
+        self.prefix = f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}-"
+        _remove_orphans(shm_dir)
+        # spawn, never fork: forking the denoiser would copy its threads' locks mid-state (torch,
+        # Triton's stub); a spawned worker starts clean and imports only what loading needs.
+        self._ctx = multiprocessing.get_context("spawn")
+        self._ctx.set_executable(python_executable())
+        self._load = load
+        self._tasks: queue.Queue[_Task | None] = queue.Queue()
+        self._closed = False
+        self._lock = threading.Lock()
+        self._workers: list[_Worker | None] = [None] * workers
+        for slot in range(workers):  # started now, so their imports happen before the first request
+            self._workers[slot] = _Worker(self._ctx, load)
+        self._feeders = [threading.Thread(target=self._feed, args=(slot,), name=f"easel-lora-feeder-{slot}",
+                                          daemon=True) for slot in range(workers)]
+        for feeder in self._feeders:
+            feeder.start()
+
+    def submit(self, loras: list[tuple[str, str | Path, float]],
+               on_loaded: Callable[[LoadStats], None] | None = None) -> Future:
+        """The LoRAs of one request, (name, path, scale) each, loaded in parallel (one task per
+        file). The future gives ((LoraWeights, scale), ...) in the given order, or raises the first
+        error. `on_loaded(stats)` runs before the future resolves, so whoever sees the result can
+        also see the stats."""
+        combined: Future = Future()
+        tasks = [_Task(name, str(path)) for name, path, _ in loras]
+        scales = [scale for _, _, scale in loras]
+        left = [len(tasks)]
+        lock = threading.Lock()
+
+        def one_done(task_future: Future) -> None:
+            error = task_future.exception()
+            with lock:
+                left[0] -= 1
+                if combined.done() or (error is None and left[0]):
+                    return
+            try:
+                if error is not None:
+                    combined.set_exception(error)
+                    return
+                results = [t.future.result() for t in tasks]
+                weights = tuple((lora, scale) for (lora, _), scale in zip(results, scales))
+                if on_loaded is not None:
+                    try:
+                        on_loaded((len(results), sum(s for _, s in results), sum(w.nbytes for w, _ in weights)))
+                    except Exception:  # stats are worth a log line, never the request
+                        log.exception("recording LoRA load stats failed")
+                combined.set_result(weights)
+            except InvalidStateError:
+                pass  # the caller cancelled it
+
+        with self._lock:
+            if self._closed:
+                raise RuntimeError("loras: the LoRA loader is shut down")
+            for task in tasks:
+                task.future.add_done_callback(one_done)
+                self._tasks.put(task)
+        if not tasks:
+            combined.set_result(())
+        return combined
+
+    def pids(self) -> list[int]:
+        """The loader processes' ids (tests, diagnostics)."""
+        return [w.process.pid for w in list(self._workers) if w is not None]
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        """Fail what has not started, let each worker finish its file, stop them, and remove any
+        segment of this pool left in shared memory."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = True
+        while True:
+            try:
+                task = self._tasks.get_nowait()
+            except queue.Empty:
+                break
+            if task is not None:
+                task.future.set_exception(RuntimeError("loras: the LoRA loader is shutting down"))
+        for _ in self._feeders:
+            self._tasks.put(None)
+        for slot, feeder in enumerate(self._feeders):
+            feeder.join(timeout)  # its worker finishes the file it has, then stops
+            worker = self._workers[slot]
+            if feeder.is_alive() and worker is not None:  # hung on a file: kill it
+                worker.process.kill()
+                feeder.join(timeout)
+        self._remove_segments(f"{self.prefix}*")
+
+    # -- the parent's side of one worker -------------------------------------------------------
+
+    def _feed(self, slot: int) -> None:
+        while True:
+            try:
+                task = self._tasks.get(timeout=1.0)
+            except queue.Empty:  # idle: replace a worker that died meanwhile before a request meets it
+                worker = self._workers[slot]
+                if worker is not None:
+                    worker.read_ready()
+                # (one that died before it was ready is replaced by the next request only: it
+                # would most likely fail the same way, and a crash loop helps nobody)
+                if worker is not None and worker.started and not worker.process.is_alive() and not self._closed:
+                    log.warning("LoRA loader process %s died while idle (exit code %s); starting a new one",
+                                worker.process.pid, worker.process.exitcode)
+                    self._replace(slot)
+                continue
+            if task is None:
+                break
+            try:
+                task.future.set_result(self._run(slot, task))
+            except BaseException as exc:  # every task's future resolves, whatever happened
+                task.future.set_exception(exc)
+        worker = self._workers[slot]
+        if worker is not None:
+            self._workers[slot] = None
+            worker.stop()
+
+    def _run(self, slot: int, task: _Task) -> tuple[LoraWeights, float]:
+        worker = self._workers[slot]
+        if worker is None or not worker.process.is_alive():
+            worker = self._replace(slot)
+        # Named after the worker, so that whatever a dead worker left can be found and removed.
+        segment = os.path.join(self.shm_dir, f"{self.prefix}{worker.process.pid}-{uuid.uuid4().hex}")
+        start = time.perf_counter()
+        try:
+            return self._exchange(slot, worker, task, segment), time.perf_counter() - start
+        finally:
+            _unlink(segment)  # read already, or never written
+
+    def _exchange(self, slot: int, worker: _Worker, task: _Task, segment: str) -> LoraWeights:
+        try:
+            worker.conn.send((task.name, task.path, segment))
+            while True:
+                ready = multiprocessing.connection.wait([worker.conn, worker.process.sentinel])
+                if worker.conn not in ready:  # it exited without a word
+                    raise EOFError
+                reply = worker.conn.recv()  # "ready", the reply, or EOF from a worker that died
+                if reply != ("ready",):
+                    break
+                worker.started = True
+        except (EOFError, OSError):
+            code = _exit_code(worker)
+            self._remove_segments(f"{self.prefix}{worker.process.pid}-*")
+            if not worker.started:  # its imports failed: the server log has its traceback
+                log.error("LoRA loader process %s could not start (exit code %s)", worker.process.pid, code)
+                raise LoraLoaderDied(f"loras: the LoRA loader process could not start (exit code {code}); "
+                                     "the server log says why") from None
+            log.warning("LoRA loader process %s died (exit code %s) while loading %r; starting a new one",
+                        worker.process.pid, code, task.name)
+            if not self._closed:  # (shutdown kills a worker that hangs: no new one then)
+                self._replace(slot)
+            raise LoraLoaderDied(f"loras: the LoRA loader process died while loading {task.name!r} "
+                                 f"(exit code {code}); try again") from None
+        kind, *body = reply
+        if kind == "invalid":
+            raise InvalidInput(*body)
+        if kind == "error":
+            raise RuntimeError(f"loras: loading {task.name!r} failed ({body[0]})")
+        return _read_segment(segment, body[0])
+
+    def _replace(self, slot: int) -> _Worker:
+        old = self._workers[slot]
+        if old is not None:
+            old.stop(timeout=0)
+        self._workers[slot] = _Worker(self._ctx, self._load)
+        return self._workers[slot]
+
+    def _remove_segments(self, pattern: str) -> None:
+        for path in glob.glob(os.path.join(self.shm_dir, pattern)):
+            _unlink(path)
+
+
+def _read_segment(segment: str, meta: dict) -> LoraWeights:
+    from safetensors.torch import load_file
+
+    tensors = load_file(segment)  # into this process's memory; the caller unlinks the file right after
+    parts = {component: {module: LoraLayer(tensors[f"{component}/{module}/down"], tensors[f"{component}/{module}/up"],
+                                           scale)
+                         for module, scale in scales.items()}
+             for component, scales in meta["layers"].items()}
+    unet = parts.pop("unet")
+    return LoraWeights(meta["name"], unet, meta["nbytes"], text_encoders=parts)
+
+
+def _exit_code(worker: _Worker) -> int | None:
+    worker.process.join(5)
+    return worker.process.exitcode
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+
+
+def _remove_orphans(shm_dir: str) -> None:
+    """Segments of a denoiser process that no longer exists (it was killed mid-load)."""
+    for path in glob.glob(os.path.join(shm_dir, f"{SEGMENT_PREFIX}*")):
+        pid = os.path.basename(path)[len(SEGMENT_PREFIX):].split("-", 1)[0]
+        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+            _unlink(path)
+
+
+# -- the worker process -----------------------------------------------------------------------
+
+def _worker_main(conn, load) -> None:
+    import signal
+
+    import torch
+    from safetensors.torch import save_file
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
+    if load is load_lora:  # diffusers' pipelines import takes seconds: pay it now, not on the first request
+        from diffusers import StableDiffusionXLPipeline  # noqa: F401
+        from diffusers.utils import convert_unet_state_dict_to_peft  # noqa: F401
+    conn.send(("ready",))
+    while True:
+        try:
+            message = conn.recv()
+        except EOFError:  # the parent is gone
+            return
+        if message is None:
+            return
+        name, path, segment = message
+        try:
+            lora = load(name, path)
+            # Every part of the LoRA (UNet, text encoders), keyed "<component>/<module>/down|up".
+            parts = {"unet": lora.unet, **lora.text_encoders}
+            # clone: safetensors refuses tensors that share storage, and a converter may return views.
+            tensors = {}
+            for component, layers in parts.items():
+                for module, layer in layers.items():
+                    for which, tensor in (("down", layer.down), ("up", layer.up)):
+                        tensors[f"{component}/{module}/{which}"] = tensor.detach().clone(
+                            memory_format=torch.contiguous_format)
+            save_file(tensors, segment)
+            reply = ("ok", {"name": lora.name, "nbytes": lora.nbytes,
+                            "layers": {component: {module: layer.scale for module, layer in layers.items()}
+                                       for component, layers in parts.items()}})
+        except InvalidInput as exc:
+            _unlink(segment)
+            reply = ("invalid", exc.field, str(exc)[len(exc.field) + 2:])
+        except Exception as exc:
+            _unlink(segment)
+            reply = ("error", f"{exc.__class__.__name__}: {exc}")
+        try:
+            conn.send(reply)
+        except OSError:  # the parent is gone: nobody will read or remove the segment
+            _unlink(segment)
+            return
