@@ -118,7 +118,9 @@ class DenoiseLoop:
         if job.loras:
             state.lora_step = 0
         if job.loras_pending is not None:
-            seq.wait_from_step = job.lora_bound
+            # A bound past the last step still waits before it: a request never finishes
+            # without the LoRAs it asked for.
+            seq.wait_from_step = min(job.lora_bound, seq.steps - 1)
             job.loras_pending.add_done_callback(lambda _: self._inbox.put(_WAKE))
 
     def _take_loaded_loras(self) -> None:

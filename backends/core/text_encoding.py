@@ -83,6 +83,8 @@ class PromptEncoder:
         options = json.loads((folder / OPTIONS_FILE).read_text())
         self.force_zeros_for_empty_prompt = bool(options["force_zeros_for_empty_prompt"])
         self.loras = TextEncoderLoras(store)
+        if store is not None:  # LoRA files are read with diffusers' pipeline code: import it now, not on a request
+            from diffusers import StableDiffusionXLPipeline  # noqa: F401
 
     def _encode(self, text: str, max_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, pooled = [], None

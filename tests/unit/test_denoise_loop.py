@@ -151,6 +151,17 @@ def test_lora_lands_at_the_bound_and_moves_the_result_a_little(engines, tiny_mod
     assert 0 < deviation < np.abs(exact.latents).max()
 
 
+def test_lora_bound_past_the_last_step_still_applies_the_lora(engines, tiny_model):
+    from concurrent.futures import Future
+
+    engine, _ = engines
+    pending: Future = Future()
+    threading.Timer(1.0, pending.set_result, args=(lora_job(engines, tiny_model, "x", 0)[1],)).start()
+    late, _ = lora_job(engines, tiny_model, "late", 50, pending, steps=4)
+    (out,) = run(engine, [late])
+    assert out.error is None and out.lora_step == 3 and out.lora_waited
+
+
 def test_failed_lora_load_fails_its_request(engines, tiny_model):
     from concurrent.futures import Future
 
