@@ -1,0 +1,418 @@
+"""LoRAs on a GPU: e2e latency of 0C/0L, 0C/1L and 0C/2L through Easel (exact and bounded merge)
+against diffusers' load_lora_weights + fuse_lora per request, with random SDXL-size LoRAs
+(~340 and ~460 MiB) read cold from local disk, in one run (issue 4, item 10).
+
+    python3 bench/lora_sdxl.py --work /tmp/easel-lora --out $OUT/lora_sdxl.json
+    python3 bench/lora_sdxl.py --cpu-smoke --work /tmp/lora-smoke --out /tmp/lora-smoke.json  # tiny, CPU
+
+The UNet is SDXL base's architecture with random weights (no model hub here); the LoRAs are
+diffusers/PEFT-layout files on every attention projection (to_q, to_k, to_v, to_out.0) and
+feed-forward Linear (ff.net.0.proj, ff.net.2) of all 70 transformer blocks, with one uniform rank
+chosen so the fp16 file lands at the requested size. "Cold" means: before every timed request
+each LoRA file's pages are dropped from the OS page cache (posix_fadvise DONTNEED, no root
+needed for clean pages), so each load reads the file from the disk. The goal (issue 4): LoRA
+overhead below 5% of the 0C/0L latency; KATZ reports ~230 ms of loading and patching.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import os
+import re
+import statistics
+import time
+from pathlib import Path
+
+log = logging.getLogger("bench.lora_sdxl")
+
+# The Linear layers real SDXL LoRAs train (kohya/diffusers defaults): attention and feed-forward.
+TARGETS = re.compile(r"attn[12]\.(to_q|to_k|to_v|to_out\.0)$|ff\.net\.(0\.proj|2)$")
+LORA_METRICS = ("easel_lora_loads_total", "easel_lora_load_seconds_total", "easel_lora_loaded_bytes_total",
+                "easel_lora_merged_requests_total", "easel_lora_merge_step_total", "easel_lora_bound_waits_total")
+COUNTS = (0, 1, 2)  # LoRAs per request
+PROMPT = "a house by a lake"
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """What differs between the GPU run and the CPU smoke run."""
+
+    device: str
+    dtype: str  # "fp16" | "fp32"
+    size: int
+    steps: int
+    runs: int
+
+    @property
+    def torch_dtype(self):
+        import torch
+
+        return torch.float16 if self.dtype == "fp16" else torch.float32
+
+
+# --- the LoRA files ------------------------------------------------------------------------
+
+
+def lora_targets(unet_dir: Path) -> list[tuple[str, int, int]]:
+    """(module, in_features, out_features) of every targeted Linear, read from a UNet built on
+    the meta device from its config: shapes only, none of the gigabytes of weights."""
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(UNet2DConditionModel.load_config(unet_dir))
+    return [(name, m.in_features, m.out_features) for name, m in unet.named_modules()
+            if isinstance(m, torch.nn.Linear) and TARGETS.search(name)]
+
+
+def rank_for(targets: list[tuple[str, int, int]], mib: float) -> int:
+    """The uniform rank whose fp16 A and B matrices come closest to `mib` MiB."""
+    per_rank = 2 * sum(i + o for _, i, o in targets)  # bytes: fp16 A [r, in] + B [out, r]
+    return max(1, round(mib * 2**20 / per_rank))
+
+
+def write_random_lora(path: Path, targets: list[tuple[str, int, int]], rank: int, seed: int, std: float,
+                      device: str) -> None:
+    """A random UNet LoRA in the diffusers/PEFT layout export/tiny_adapters.py writes for
+    `papercut` (`unet.<module>.lora_A.weight` [r, in], `.lora_B.weight` [out, r]; no alpha, so
+    diffusers and Easel both scale by 1). Drawn on `device` (seconds on a GPU for ~10^8 values),
+    seeded; B is non-zero (unlike a fresh LoRA) so the merge changes the weights."""
+    import torch
+    from safetensors.torch import save_file
+
+    generator = torch.Generator(device).manual_seed(seed)
+
+    def draw(*shape: int) -> torch.Tensor:
+        return (torch.randn(*shape, generator=generator, device=device) * std).to(torch.float16).cpu()
+
+    state = {}
+    for module, fan_in, fan_out in targets:
+        state[f"unet.{module}.lora_A.weight"] = draw(rank, fan_in)
+        state[f"unet.{module}.lora_B.weight"] = draw(fan_out, rank)
+    partial = path.with_suffix(".partial")  # not indexed by the store (.safetensors only) until complete
+    save_file(state, str(partial))
+    # Written pages are dirty and DONTNEED leaves dirty pages in the cache: flush them now so
+    # that dropping them before each request really does drop them.
+    with open(partial, "rb") as f:
+        os.fsync(f.fileno())
+    partial.rename(path)
+
+
+def write_loras(store: Path, unet_dir: Path, sizes_mib: list[float], std: float, device: str) -> list[dict]:
+    """One LoRA per requested size in `<store>/loras/`, named by rank and seed (reused when present:
+    same name, same bytes)."""
+    targets = lora_targets(unet_dir)
+    folder = store / "loras"
+    folder.mkdir(parents=True, exist_ok=True)
+    loras = []
+    for index, mib in enumerate(sizes_mib):
+        rank, seed = rank_for(targets, mib), 1000 + index
+        path = folder / f"random_r{rank}_s{seed}.safetensors"
+        start = time.perf_counter()
+        if not path.exists():
+            write_random_lora(path, targets, rank, seed, std, device)
+            log.info("wrote %s in %.1fs", path.name, time.perf_counter() - start)
+        nbytes = path.stat().st_size
+        loras.append({"name": path.stem, "path": str(path), "rank": rank, "layers": len(targets),
+                      "bytes": nbytes, "mib": nbytes / 2**20})
+        log.info("LoRA %s: rank %d on %d Linear layers, %d bytes (%.1f MiB; asked %.1f MiB)",
+                 path.stem, rank, len(targets), nbytes, nbytes / 2**20, mib)
+    return loras
+
+
+# --- cold reads ----------------------------------------------------------------------------
+
+
+def drop_cache(paths: list[str]) -> None:
+    """Evict the files' pages from the OS page cache, so the next read comes from the disk."""
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def read_speeds(path: str) -> dict[str, float]:
+    """Plain read throughput of one file cold (after drop_cache) and warm, in GB/s: shows that
+    dropping works on this filesystem and what a cold load costs at the floor."""
+    def read_all() -> float:
+        start = time.perf_counter()
+        with open(path, "rb", buffering=0) as f:
+            while f.read(64 << 20):
+                pass
+        return time.perf_counter() - start
+
+    nbytes = os.path.getsize(path)
+    drop_cache([path])
+    cold = read_all()
+    warm = read_all()
+    return {"bytes": nbytes, "cold_s": cold, "warm_s": warm, "cold_gb_s": nbytes / cold / 1e9,
+            "warm_gb_s": nbytes / warm / 1e9}
+
+
+# --- the requests --------------------------------------------------------------------------
+
+
+def lora_set(loras: list[dict], count: int, run: int) -> list[dict]:
+    """The LoRAs of request `run` with `count` LoRAs: one request alternates between the two files
+    (both sizes are measured), two takes both."""
+    if count == 1:
+        return [loras[run % len(loras)]]
+    return loras[:count]
+
+
+def read_metrics(port: int) -> dict[str, float]:
+    """The LoRA metrics, summed over models and instances (only denoisers report them)."""
+    import urllib.request
+
+    text = urllib.request.urlopen(f"http://localhost:{port}/metrics", timeout=10).read().decode()
+    totals = dict.fromkeys(LORA_METRICS, 0.0)
+    for line in text.splitlines():
+        name = line.split("{", 1)[0]
+        if name in totals:
+            totals[name] += float(line.rsplit(" ", 1)[1])
+    return totals
+
+
+def time_easel(repo: Path, loras: list[dict], setup: Setup, scale: float) -> dict[str, dict]:
+    from clients.client import EaselClient
+    from clients.serve import TritonServer
+
+    paths = [x["path"] for x in loras]
+    out: dict[str, dict] = {}
+    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=900) as server:
+        with EaselClient(server.url_grpc, protocol="grpc") as client:  # the GPU image lacks gevent (HTTP)
+            client.generate("warm up", width=setup.size, height=setup.size, steps=2, seed=0)
+            # The process's first LoRA request pays one-time costs (imports in the text encoder,
+            # first allocations of the merge): measured on its own, untimed in the medians.
+            drop_cache(paths)
+            start = time.perf_counter()
+            info = client.generate(PROMPT, width=setup.size, height=setup.size, steps=setup.steps, seed=99,
+                                   loras=[loras[0]["name"]], lora_scales=[scale]).info
+            out["first_lora_request"] = {"loras": [loras[0]["name"]], "e2e_s": time.perf_counter() - start,
+                                         "lora_merged_at_step": info.get("lora_merged_at_step"),
+                                         "queue_s": info.get("queue_s"), "stages_s": info["stages_s"]}
+            log.info("first LoRA request (not in the medians): e2e %.3fs, stages %s",
+                     out["first_lora_request"]["e2e_s"], {k: round(v, 3) for k, v in info["stages_s"].items()})
+            for count in COUNTS:
+                rows = []
+                before = read_metrics(server.metrics_port)
+                for run in range(setup.runs):
+                    names = [x["name"] for x in lora_set(loras, count, run)]
+                    extra = dict(loras=names, lora_scales=[scale] * count) if count else {}
+                    drop_cache(paths)
+                    start = time.perf_counter()
+                    info = client.generate(PROMPT, width=setup.size, height=setup.size, steps=setup.steps,
+                                           seed=run, **extra).info
+                    e2e = time.perf_counter() - start
+                    rows.append({"loras": names, "e2e_s": e2e, "denoise_s": info["stages_s"].get("denoise_s"),
+                                 "queue_s": info.get("queue_s"), "lora_merged_at_step": info.get("lora_merged_at_step"),
+                                 "stages_s": info["stages_s"]})
+                    if count and info.get("lora_merged_at_step") is None:
+                        log.warning("%dL run %d: the server says its LoRAs were never merged", count, run)
+                after = read_metrics(server.metrics_port)
+                delta = {k.removeprefix("easel_lora_"): after[k] - before[k] for k in LORA_METRICS}
+                loads = delta["loads_total"]
+                out[f"{count}L"] = {
+                    "runs": rows, "e2e_s": [r["e2e_s"] for r in rows], "denoise_s": [r["denoise_s"] for r in rows],
+                    "metrics_delta": delta,
+                    # seconds a loader process spent per file, cold read + diffusers' conversion
+                    "load_s_per_file": delta["load_seconds_total"] / loads if loads else None}
+                log.info("%dL: e2e %s denoise %s merged at %s, load %s s/file", count,
+                         [round(r["e2e_s"], 3) for r in rows], [round(r["denoise_s"], 3) for r in rows],
+                         [r["lora_merged_at_step"] for r in rows],
+                         round(out[f"{count}L"]["load_s_per_file"], 3) if loads else "-")
+    return out
+
+
+def time_diffusers(model: Path, loras: list[dict], setup: Setup, scale: float) -> dict[str, dict]:
+    """StableDiffusionXLPipeline per request: load_lora_weights for each file (cold), set_adapters,
+    fuse_lora, generate; then unfuse_lora + unload_lora_weights (timed apart, as a server would
+    do it after answering)."""
+    import warnings
+
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+    from diffusers.utils import logging as diffusers_logging
+
+    # Expected here, once per load: the files have no text-encoder layers, and 2L puts a second
+    # adapter into the same model.
+    diffusers_logging.set_verbosity_error()
+    warnings.filterwarnings("ignore", message="Already found a `peft_config` attribute")
+
+    def sync() -> None:
+        if setup.device == "cuda":
+            torch.cuda.synchronize()
+
+    paths = [x["path"] for x in loras]
+    pipe = StableDiffusionXLPipeline.from_pretrained(model, dtype=setup.torch_dtype, add_watermarker=False)
+    pipe = pipe.to(setup.device)
+    pipe.set_progress_bar_config(disable=True)
+    pipe("warm up", width=setup.size, height=setup.size, num_inference_steps=2)
+    out: dict[str, dict] = {}
+    # As for Easel: the first LoRA request (peft's imports, first allocations) on its own.
+    plan = [("first_lora_request", [loras[0]], 99)] + [
+        (f"{count}L", lora_set(loras, count, run), run) for count in COUNTS for run in range(setup.runs)]
+    for label, chosen, seed in plan:
+        count, names = len(chosen), [x["name"] for x in chosen]
+        drop_cache(paths)
+        sync()
+        t0 = time.perf_counter()
+        for lora in chosen:
+            pipe.load_lora_weights(lora["path"], adapter_name=lora["name"])
+        sync()
+        t1 = time.perf_counter()
+        if count:
+            pipe.set_adapters(names, adapter_weights=[scale] * count)
+            pipe.fuse_lora(adapter_names=names)
+        sync()
+        t2 = time.perf_counter()
+        pipe(PROMPT, width=setup.size, height=setup.size, num_inference_steps=setup.steps,
+             generator=torch.Generator("cpu").manual_seed(seed))
+        sync()
+        t3 = time.perf_counter()
+        if count:
+            pipe.unfuse_lora()
+            pipe.unload_lora_weights()
+        sync()
+        row = {"loras": names, "e2e_s": t3 - t0, "load_s": t1 - t0, "fuse_s": t2 - t1, "generate_s": t3 - t2,
+               "unfuse_unload_s": time.perf_counter() - t3}
+        if label == "first_lora_request":
+            out[label] = row
+        else:
+            out.setdefault(label, {"runs": [], "e2e_s": []})
+            out[label]["runs"].append(row)
+            out[label]["e2e_s"].append(row["e2e_s"])
+        log.info("diffusers %s %s: e2e %.3fs (load %.3fs, set_adapters + fuse %.3fs, unfuse + unload %.3fs)",
+                 label, names, row["e2e_s"], row["load_s"], row["fuse_s"], row["unfuse_unload_s"])
+    del pipe
+    if setup.device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+# --- the report ----------------------------------------------------------------------------
+
+
+def summarize(report: dict) -> dict[str, dict]:
+    """Median e2e per LoRA count and the overhead over 0L, for every section measured so far."""
+    med = statistics.median
+    summary = {}
+    sections = {f"easel_bound{k}": v for k, v in report.get("easel", {}).items()}
+    if "diffusers" in report:
+        sections["diffusers"] = report["diffusers"]
+    for label, rows in sections.items():
+        base = med(rows["0L"]["e2e_s"])
+        entry = {"0L_s": base}
+        for count in COUNTS[1:]:
+            value = med(rows[f"{count}L"]["e2e_s"])
+            entry[f"{count}L_s"] = value
+            entry[f"{count}L_overhead_s"] = value - base
+            entry[f"{count}L_overhead_pct"] = 100 * (value - base) / base
+            entry[f"{count}L_below_5pct"] = value - base < 0.05 * base  # the goal
+        entry["first_lora_request_s"] = rows.get("first_lora_request", {}).get("e2e_s")
+        if label != "diffusers":
+            entry["denoise_median_s"] = {f"{c}L": med(rows[f"{c}L"]["denoise_s"]) for c in COUNTS}
+        summary[label] = entry
+    return summary
+
+
+def write(report: dict, out: Path) -> None:
+    """The report as far as it goes: a time limit still leaves the sections measured."""
+    report["summary"] = summarize(report)
+    out.write_text(json.dumps(report, indent=2, default=str))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--work", type=Path, required=True, help="folder for the model, LoRAs and repositories")
+    p.add_argument("--out", type=Path, required=True, help="JSON report")
+    p.add_argument("--size", type=int, default=1024)
+    p.add_argument("--steps", type=int, default=50)
+    p.add_argument("--runs", type=int, default=3, help="timed requests per LoRA count")
+    p.add_argument("--bounds", type=int, nargs="+", default=None,
+                   help="lora_bound_steps per exported repository (0: exact, the request waits); default 0 5")
+    p.add_argument("--lora-mib", type=float, nargs=2, default=None,
+                   help="sizes of the two LoRA files (fp16), a rank is chosen per size; default 340 460")
+    p.add_argument("--lora-std", type=float, default=1e-3, help="std of the random A and B entries")
+    p.add_argument("--scale", type=float, default=0.8, help="every LoRA's scale")
+    p.add_argument("--skip-diffusers", action="store_true", help="no baseline (diagnostic runs only)")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="the whole path on CPU: tiny pipeline, ~0.3 MB LoRAs, 64 px, 4 steps, 1 run, bounds 0 2")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+    from export.repository import ExportOptions, export_repository
+    from export.tiny import write_tiny_pipeline
+
+    if args.cpu_smoke:
+        setup = Setup("cpu", "fp32", 64, 4, 1)
+        lora_mib = args.lora_mib or [0.25, 0.4]
+        # below the 4 steps: with a bound at or past the last step, a request whose LoRAs are
+        # still loading finishes without them (the scheduler never holds it)
+        bounds = args.bounds or [0, 2]
+    else:
+        setup = Setup("cuda", "fp16", args.size, args.steps, args.runs)
+        lora_mib = args.lora_mib or [340.0, 460.0]
+        bounds = args.bounds or [0, 5]
+    for bound in bounds:
+        if bound >= setup.steps:
+            log.warning("bound %d >= %d steps: a request may finish before its LoRAs are merged", bound, setup.steps)
+
+    t0 = time.perf_counter()
+    model, store = args.work / ("tiny" if args.cpu_smoke else "sdxl-random"), args.work / "adapters"
+    if not (model / "model_index.json").exists():
+        if args.cpu_smoke:
+            write_tiny_pipeline(model, seed=0)
+        else:
+            write_tiny_pipeline(model, seed=0, variant="sdxl", device="cuda", dtype="fp16")
+    t1 = time.perf_counter()
+    loras = write_loras(store, model / "unet", lora_mib, args.lora_std, setup.device)
+    t2 = time.perf_counter()
+    log.info("model ready in %.1fs, LoRAs in %.1fs", t1 - t0, t2 - t1)
+    speeds = read_speeds(loras[-1]["path"])
+    log.info("cold means: before each timed request every LoRA file's pages are dropped from the page cache "
+             "(posix_fadvise DONTNEED); plain read of %s: cold %.2f GB/s, warm %.2f GB/s",
+             loras[-1]["name"], speeds["cold_gb_s"], speeds["warm_gb_s"])
+
+    report = {"device": setup.device, "dtype": setup.dtype, "size": setup.size, "steps": setup.steps,
+              "runs": setup.runs, "scale": args.scale, "bounds": bounds, "loras": loras,
+              "cold": "posix_fadvise(POSIX_FADV_DONTNEED) on every LoRA file before each timed request",
+              "read_speeds": speeds, "easel": {}}
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    write(report, args.out)
+
+    for bound in bounds:
+        start = time.perf_counter()
+        repo = args.work / f"repo-bound{bound}"
+        # One ControlNet instance: the store has none, and each instance costs startup time.
+        export_repository(model, repo, ExportOptions(
+            device=setup.device, dtype=setup.dtype, gpus=(0,), max_size=setup.size, adapters=str(store),
+            lora_bound_steps=bound, controlnet_instances=1))
+        log.info("bound %d: exported in %.1fs", bound, time.perf_counter() - start)
+        report["easel"][bound] = time_easel(repo, loras, setup, args.scale)
+        write(report, args.out)
+        log.info("bound %d: done in %.1fs", bound, time.perf_counter() - start)
+
+    if not args.skip_diffusers:
+        start = time.perf_counter()
+        report["diffusers"] = time_diffusers(model, loras, setup, args.scale)
+        write(report, args.out)
+        log.info("diffusers: done in %.1fs", time.perf_counter() - start)
+
+    report["total_s"] = time.perf_counter() - t0
+    write(report, args.out)
+    log.info("LoRAs: %s", ", ".join(f"{x['name']} {x['mib']:.1f} MiB" for x in loras))
+    for label, s in report["summary"].items():
+        log.info("%-13s e2e median 0L %.3fs  1L %.3fs (%+.3fs, %+.1f%%)  2L %.3fs (%+.3fs, %+.1f%%)  "
+                 "first LoRA request %.3fs", label, s["0L_s"], s["1L_s"], s["1L_overhead_s"], s["1L_overhead_pct"],
+                 s["2L_s"], s["2L_overhead_s"], s["2L_overhead_pct"], s["first_lora_request_s"])
+    log.info("goal: LoRA overhead below 5%% of 0L; total %.1fs; report %s", report["total_s"], args.out)
+
+
+if __name__ == "__main__":
+    main()
