@@ -69,22 +69,9 @@ CALL_METRICS = ("easel_controlnet_calls_total", "easel_controlnet_call_seconds_t
                 "easel_controlnet_wait_seconds_total", "easel_controlnet_compute_seconds_total")
 
 
-def read_metrics(port: int) -> dict[str, float]:
-    """The ControlNet call metrics, summed over models and instances."""
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://localhost:{port}/metrics", timeout=10).read().decode()
-    totals = dict.fromkeys(CALL_METRICS, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
-    return totals
-
-
 def time_server(repo: Path, size: int, steps: int, runs: int, extra_args=()) -> dict[int, dict]:
     from clients.client import EaselClient
-    from clients.serve import TritonServer
+    from clients.serve import TritonServer, metric_totals
 
     images = tuple(control_png(size, i) for i in range(len(NAMES)))
     out: dict[int, dict] = {}
@@ -95,13 +82,13 @@ def time_server(repo: Path, size: int, steps: int, runs: int, extra_args=()) -> 
                 controls = dict(controlnets=NAMES[:count], control_images=images[:count]) if count else {}
                 client.generate("warm up", width=size, height=size, steps=2, seed=0, **controls)
                 latencies, infos = [], []
-                before = read_metrics(server.metrics_port)
+                before = metric_totals(server.metrics_port, CALL_METRICS)
                 for i in range(runs):
                     start = time.perf_counter()
                     infos.append(client.generate("a house", width=size, height=size, steps=steps, seed=i,
                                                  **controls).info)
                     latencies.append(time.perf_counter() - start)
-                after = read_metrics(server.metrics_port)
+                after = metric_totals(server.metrics_port, CALL_METRICS)
                 delta = {k.removeprefix("easel_controlnet_"): after[k] - before[k] for k in CALL_METRICS}
                 calls = delta.pop("calls_total")
                 out[count] = {"e2e_s": latencies, "denoise_s": [i["stages_s"]["denoise_s"] for i in infos],

@@ -165,22 +165,9 @@ def lora_set(loras: list[dict], count: int, run: int) -> list[dict]:
     return loras[:count]
 
 
-def read_metrics(port: int) -> dict[str, float]:
-    """The LoRA metrics, summed over models and instances (only denoisers report them)."""
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://localhost:{port}/metrics", timeout=10).read().decode()
-    totals = dict.fromkeys(LORA_METRICS, 0.0)
-    for line in text.splitlines():
-        name = line.split("{", 1)[0]
-        if name in totals:
-            totals[name] += float(line.rsplit(" ", 1)[1])
-    return totals
-
-
 def time_easel(repo: Path, loras: list[dict], setup: Setup, scale: float) -> dict[str, dict]:
     from clients.client import EaselClient
-    from clients.serve import TritonServer
+    from clients.serve import TritonServer, metric_totals
 
     paths = [x["path"] for x in loras]
     out: dict[str, dict] = {}
@@ -200,7 +187,7 @@ def time_easel(repo: Path, loras: list[dict], setup: Setup, scale: float) -> dic
                      out["first_lora_request"]["e2e_s"], {k: round(v, 3) for k, v in info["stages_s"].items()})
             for count in COUNTS:
                 rows = []
-                before = read_metrics(server.metrics_port)
+                before = metric_totals(server.metrics_port, LORA_METRICS)
                 for run in range(setup.runs):
                     names = [x["name"] for x in lora_set(loras, count, run)]
                     extra = dict(loras=names, lora_scales=[scale] * count) if count else {}
@@ -214,7 +201,7 @@ def time_easel(repo: Path, loras: list[dict], setup: Setup, scale: float) -> dic
                                  "stages_s": info["stages_s"]})
                     if count and info.get("lora_merged_at_step") is None:
                         log.warning("%dL run %d: the server says its LoRAs were never merged", count, run)
-                after = read_metrics(server.metrics_port)
+                after = metric_totals(server.metrics_port, LORA_METRICS)
                 delta = {k.removeprefix("easel_lora_"): after[k] - before[k] for k in LORA_METRICS}
                 loads = delta["loads_total"]
                 out[f"{count}L"] = {

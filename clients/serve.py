@@ -177,6 +177,22 @@ def server_env(triton: TritonInstall, project: Path,
     return env
 
 
+def scrape_metrics(port: int, names) -> dict[str, dict[str, float]]:
+    """Prometheus metrics from Triton's metrics port: name -> {label set: value}, for `names`."""
+    text = urllib.request.urlopen(f"http://localhost:{port}/metrics", timeout=10).read().decode()
+    values: dict[str, dict[str, float]] = {name: {} for name in names}
+    for line in text.splitlines():
+        name, _, rest = line.partition("{")
+        if name in values:
+            values[name][rest.rsplit("}", 1)[0]] = float(line.rsplit(" ", 1)[1])
+    return values
+
+
+def metric_totals(port: int, names) -> dict[str, float]:
+    """Each metric summed over its label sets (models, instances)."""
+    return {name: sum(by_label.values()) for name, by_label in scrape_metrics(port, names).items()}
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))

@@ -7,7 +7,7 @@ import dataclasses
 import pytest
 
 from clients.client import EaselClient
-from clients.serve import TritonServer
+from clients.serve import TritonServer, scrape_metrics
 from export.repository import ExportOptions, export_repository
 
 # Small enough for two CPU cores, large enough that the limits tests have room.
@@ -49,8 +49,4 @@ def http_client(server):
 
 def metric_values(server, name: str) -> dict[str, float]:
     """The values of one Prometheus metric on the server's metrics port, by label set."""
-    import urllib.request
-
-    text = urllib.request.urlopen(f"http://localhost:{server.metrics_port}/metrics", timeout=10).read().decode()
-    return {line.split("{", 1)[1].rsplit("}", 1)[0]: float(line.rsplit(" ", 1)[1])
-            for line in text.splitlines() if line.startswith(name + "{")}
+    return scrape_metrics(server.metrics_port, [name])[name]
