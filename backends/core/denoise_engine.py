@@ -183,6 +183,17 @@ class TorchDenoiser:
             s.max_batch = max(s.max_batch, len(states))
         return failed
 
+    def adopt_loras(self, loras: LoraSet) -> LoraSet:
+        """LoRA tensors put on the GPU by a loader thread's stream are read on ours from now on:
+        the allocator must not reuse their memory before our stream is done with them."""
+        if self.stream is not None:
+            for lora, _ in loras:
+                for layer in lora.unet.values():
+                    for tensor in (layer.down, layer.up):
+                        if tensor.is_cuda:
+                            tensor.record_stream(self.stream)
+        return loras
+
     def _loras(self, states):
         """Merge the batch's LoRA set when all its requests share one (restoring the base weights
         for none), else leave the weights at base and add each request's low-rank terms on its rows."""

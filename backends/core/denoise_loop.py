@@ -136,7 +136,7 @@ class DenoiseLoop:
                 if seq is not None:
                     self._finish(seq)
                 continue
-            state.job.loras = future.result()
+            state.job.loras = self.engine.adopt_loras(future.result())
             state.lora_step = state.index
             seq = self.scheduler.find(rid)
             if seq is not None:

@@ -17,6 +17,7 @@ No Triton imports: the adapter (backends/easel_denoiser/model.py) drives this, t
 
 from __future__ import annotations
 
+import dataclasses
 import glob
 import logging
 import multiprocessing
@@ -31,6 +32,8 @@ from concurrent.futures import Future, InvalidStateError
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
+
+import torch
 
 from .lora import LoraLayer, LoraWeights, load_lora
 from .params import InvalidInput
@@ -106,10 +109,11 @@ class LoraLoaderPool:
     function (it crosses to the spawned process by name); tests pass one that sleeps or dies."""
 
     def __init__(self, workers: int = 2, load: Callable[[str, str], LoraWeights] = load_lora,
-                 shm_dir: str = SHM_DIR):
+                 shm_dir: str = SHM_DIR, device: str = "cpu"):
         if workers < 1:
             raise ValueError(f"workers: {workers} is not a positive number of loader processes")
         self.shm_dir = shm_dir
+        self.device = torch.device(device)
         self.prefix = f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}-"
         _remove_orphans(shm_dir)
         # spawn, never fork: forking the denoiser would copy its threads' locks mid-state (torch,
@@ -235,9 +239,24 @@ class LoraLoaderPool:
         segment = os.path.join(self.shm_dir, f"{self.prefix}{worker.process.pid}-{uuid.uuid4().hex}")
         start = time.perf_counter()
         try:
-            return self._exchange(slot, worker, task, segment), time.perf_counter() - start
+            lora = self._exchange(slot, worker, task, segment)
         finally:
             _unlink(segment)  # read already, or never written
+        return self._to_device(lora), time.perf_counter() - start
+
+    def _to_device(self, lora: LoraWeights) -> LoraWeights:
+        """The UNet layers onto the denoiser's GPU here, on a stream of this feeder thread, so a
+        merge on the step loop only reads device memory (host copies there would stall the loop
+        behind the queued UNet work). The loop adopts them onto its stream when they arrive
+        (TorchDenoiser.adopt_loras)."""
+        if self.device.type != "cuda":
+            return lora
+        stream = torch.cuda.Stream(self.device)
+        with torch.cuda.stream(stream):
+            unet = {module: LoraLayer(layer.down.to(self.device), layer.up.to(self.device), layer.scale)
+                    for module, layer in lora.unet.items()}
+        stream.synchronize()
+        return dataclasses.replace(lora, unet=unet)
 
     def _exchange(self, slot: int, worker: _Worker, task: _Task, segment: str) -> LoraWeights:
         try:
@@ -351,14 +370,13 @@ def _worker_main(conn, load) -> None:
             lora = load(name, path)
             # Every part of the LoRA (UNet, text encoders), keyed "<component>/<module>/down|up".
             parts = {"unet": lora.unet, **lora.text_encoders}
-            # clone: safetensors refuses tensors that share storage, and a converter may return views.
-            tensors = {}
-            for component, layers in parts.items():
-                for module, layer in layers.items():
-                    for which, tensor in (("down", layer.down), ("up", layer.up)):
-                        tensors[f"{component}/{module}/{which}"] = tensor.detach().clone(
-                            memory_format=torch.contiguous_format)
-            save_file(tensors, segment)
+            tensors = {f"{component}/{module}/{which}": tensor.detach().contiguous()
+                       for component, layers in parts.items() for module, layer in layers.items()
+                       for which, tensor in (("down", layer.down), ("up", layer.up))}
+            try:
+                save_file(tensors, segment)
+            except RuntimeError:  # tensors sharing storage (a converter's views): copies then
+                save_file({k: t.clone() for k, t in tensors.items()}, segment)
             reply = ("ok", {"name": lora.name, "nbytes": lora.nbytes,
                             "layers": {component: {module: layer.scale for module, layer in layers.items()}
                                        for component, layers in parts.items()}})

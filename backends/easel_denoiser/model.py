@@ -116,7 +116,8 @@ class TritonPythonModel:
         self.store = AdapterStore(store_folder) if store_folder else None
         # LoRA files load in separate processes (diffusers' conversion never holds this process's
         # GIL; a loader that crashes fails its request only): backends/core/lora_loader.py.
-        self.lora_loader = LoraLoaderPool(int(params.get("lora_loaders", 2))) if self.store else None
+        self.lora_loader = LoraLoaderPool(int(params.get("lora_loaders", 2)), device=where.device) \
+            if self.store else None
         # Steps a request may run before its LoRAs must be merged: per LoRA from `easel
         # profile-lora`, else the deployment's (0: wait, exact).
         self.lora_bound = int(params.get("lora_bound_steps", 0))

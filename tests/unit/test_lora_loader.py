@@ -38,6 +38,13 @@ def dying_loader(name, path):
     return sleepy_loader(name, path)
 
 
+def view_loader(name, path):
+    """Two layers on the very same memory, as a converter may return: safetensors refuses to
+    save that as is."""
+    shared = torch.arange(4.0).reshape(2, 2)
+    return LoraWeights(name, {"m": LoraLayer(shared, shared[:], 0.25)}, 16)
+
+
 def ours():
     """This process's segments in /dev/shm."""
     return {p for p in os.listdir(SHM_DIR) if p.startswith(f"{SEGMENT_PREFIX}{os.getpid()}-")}
@@ -76,6 +83,17 @@ def test_loaded_tensors_equal_load_lora_in_process(pool, loras):
     assert any(w.text_encoders for w, _ in result)  # the text-encoder layers come across too
     (count, seconds, nbytes), = stats
     assert count == len(loras) >= 2 and seconds > 0 and nbytes == sum(w.nbytes for w, _ in result)
+
+
+def test_tensors_that_share_storage_cross_intact():
+    pool = LoraLoaderPool(workers=1, load=view_loader)
+    try:
+        ((lora, scale),) = pool.submit([("views", "unused", 0.5)]).result(TIMEOUT)
+    finally:
+        pool.shutdown()
+    expected = view_loader("views", "unused").unet["m"]
+    assert scale == 0.5 and lora.unet["m"].scale == 0.25
+    assert torch.equal(lora.unet["m"].down, expected.down) and torch.equal(lora.unet["m"].up, expected.up)
 
 
 def test_a_corrupt_file_fails_clearly_and_the_pool_keeps_working(pool, loras, tmp_path):
