@@ -175,6 +175,19 @@ class LoraLoaderPool:
             combined.set_result(())
         return combined
 
+    def wait_started(self, timeout: float) -> bool:
+        """Wait until every worker has imported what loading needs (the feeders read their
+        "ready"), so that the first request does not pay for it. False if one died or time ran out."""
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            workers = [w for w in list(self._workers) if w is not None]
+            if all(w.started for w in workers):
+                return True
+            if any(not w.started and not w.process.is_alive() for w in workers):
+                return False
+            time.sleep(0.1)
+        return False
+
     def pids(self) -> list[int]:
         """The loader processes' ids (tests, diagnostics)."""
         return [w.process.pid for w in list(self._workers) if w is not None]

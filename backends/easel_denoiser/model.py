@@ -19,6 +19,7 @@ for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
 sys.path[:] = [p for p in sys.path if p not in _own] + _own
 
 import json  # noqa: E402
+import logging  # noqa: E402
 import queue  # noqa: E402
 from concurrent.futures import Future  # noqa: E402
 import threading  # noqa: E402
@@ -44,6 +45,7 @@ from backends.triton_adapter import (  # noqa: E402
     setup_logging)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
+log = logging.getLogger("backends.easel_denoiser")
 
 
 class LoraMetrics:
@@ -118,6 +120,8 @@ class TritonPythonModel:
         # GIL; a loader that crashes fails its request only): backends/core/lora_loader.py.
         self.lora_loader = LoraLoaderPool(int(params.get("lora_loaders", 2)), device=where.device) \
             if self.store else None
+        if self.lora_loader is not None and not self.lora_loader.wait_started(timeout=300):
+            log.warning("LoRA loader processes did not start; LoRA requests will fail until they do")
         # Steps a request may run before its LoRAs must be merged: per LoRA from `easel
         # profile-lora`, else the deployment's (0: wait, exact).
         self.lora_bound = int(params.get("lora_bound_steps", 0))

@@ -201,3 +201,13 @@ def test_a_loader_that_cannot_start_fails_requests_clearly_without_a_crash_loop(
         assert p.pids() == dead and not os.path.exists(f"/proc/{dead[0]}")
     finally:
         p.shutdown()
+
+
+def test_wait_started_returns_once_the_workers_imported_what_loading_needs():
+    pool = LoraLoaderPool(workers=2)
+    try:
+        assert pool.wait_started(TIMEOUT)
+        start = time.perf_counter()
+        assert pool.wait_started(TIMEOUT) and time.perf_counter() - start < 0.5  # already started
+    finally:
+        pool.shutdown()
