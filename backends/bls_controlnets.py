@@ -91,8 +91,7 @@ class BlsControlNets:
         if response.has_error():
             raise RuntimeError(response.error().message())
         out = {t.name(): to_torch(t).to(device) for t in response.output_tensors()}
-        if device.type == "cuda":  # the copies are done before the response's buffers go back
-            torch.cuda.current_stream(device).synchronize()
+        sync_current_stream(out["mid"])  # the copies are done before the response's buffers go back
         return [out[n] for n in self.outputs[:-1]], out["mid"]
 
     def shutdown(self) -> None:

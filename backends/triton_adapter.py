@@ -129,10 +129,16 @@ class Metrics:
         self.families = {key: pb_utils.MetricFamily(name=name, description=desc, kind=kinds[kind])
                          for key, (name, desc, kind) in specs.items()}
         self.metrics = {key: family.Metric(labels=labels) for key, family in self.families.items()}
+        self._totals: dict[str, float] = {}
 
     def increment(self, key: str, value: float) -> None:
         if value:
             self.metrics[key].increment(value)
+
+    def set_total(self, key: str, total: float) -> None:
+        """A counter from a running total kept elsewhere (Prometheus counters take increments)."""
+        self.increment(key, total - self._totals.get(key, 0.0))
+        self._totals[key] = total
 
     def set(self, key: str, value: float) -> None:
         self.metrics[key].set(value)

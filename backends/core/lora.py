@@ -164,15 +164,16 @@ class LoraMerger:
     def merge(self, loras: list[tuple[LoraWeights, float]]) -> None:
         """Set the weights to base + the given LoRAs at the given scales (replacing any earlier merge)."""
         deltas: dict[str, torch.Tensor] = {}
+        weights: dict[str, torch.Tensor] = {}
         for lora, scale in loras:
             for module, layer in lora.unet.items():
-                weight = _linear_weight(self.model, lora.name, module, layer)
+                weights[module] = weight = _linear_weight(self.model, lora.name, module, layer)
                 delta = scale * layer.delta(weight.device)
                 deltas[module] = deltas[module] + delta if module in deltas else delta
         # Checked everything above: now change the weights (all or nothing).
         self.restore(keep=set(deltas))
         for module, delta in deltas.items():
-            weight = _linear_weight(self.model, "", module)
+            weight = weights[module]
             if module not in self._saved:
                 self._saved[module] = weight.detach().clone()
             original = self._saved[module]

@@ -55,13 +55,10 @@ class _CacheMetrics:
     def __init__(self, args):
         labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
         self.metrics = Metrics(labels, {**self.COUNTERS, **self.GAUGES})
-        self.seen = {key: 0.0 for key in self.COUNTERS}
 
     def update(self, cache: ControlNetCache, compute_seconds: float) -> None:
-        for key in self.COUNTERS:  # the cache counts in totals; Prometheus counters take increments
-            value = compute_seconds if key == "compute_seconds" else getattr(cache.stats, key)
-            self.metrics.increment(key, value - self.seen[key])
-            self.seen[key] = value
+        for key in self.COUNTERS:
+            self.metrics.set_total(key, compute_seconds if key == "compute_seconds" else getattr(cache.stats, key))
         resident = cache.resident
         self.metrics.set("resident", len(resident))
         self.metrics.set("resident_bytes", sum(resident.values()))

@@ -85,15 +85,11 @@ class ControlNetCallMetrics:
             "wait_s": ("easel_controlnet_wait_seconds_total",
                        "seconds the decoder half waited for ControlNet residuals", "counter"),
         })
-        self.seen = {"calls": 0, "call_s": 0.0, "wait_s": 0.0}
 
     def update(self) -> None:
-        provider = self.engine.controlnets
-        totals = {"calls": self.engine.control_calls, "wait_s": self.engine.control_wait_s,
-                  "call_s": getattr(provider, "call_s", 0.0)}
-        for key, value in totals.items():  # totals in the engine, increments for Prometheus
-            self.metrics.increment(key, value - self.seen[key])
-            self.seen[key] = value
+        self.metrics.set_total("calls", self.engine.control_calls)
+        self.metrics.set_total("wait_s", self.engine.control_wait_s)
+        self.metrics.set_total("call_s", getattr(self.engine.controlnets, "call_s", 0.0))
 
 
 class TritonPythonModel:
