@@ -31,7 +31,8 @@ log = logging.getLogger("bench.lora_sdxl")
 # The Linear layers real SDXL LoRAs train (kohya/diffusers defaults): attention and feed-forward.
 TARGETS = re.compile(r"attn[12]\.(to_q|to_k|to_v|to_out\.0)$|ff\.net\.(0\.proj|2)$")
 LORA_METRICS = ("easel_lora_loads_total", "easel_lora_load_seconds_total", "easel_lora_loaded_bytes_total",
-                "easel_lora_merged_requests_total", "easel_lora_merge_step_total", "easel_lora_bound_waits_total")
+                "easel_lora_merged_requests_total", "easel_lora_merge_step_total", "easel_lora_bound_waits_total",
+                "easel_lora_merge_seconds_total")
 COUNTS = (0, 1, 2)  # LoRAs per request
 PROMPT = "a house by a lake"
 
@@ -207,12 +208,15 @@ def time_easel(repo: Path, loras: list[dict], setup: Setup, scale: float) -> dic
                 out[f"{count}L"] = {
                     "runs": rows, "e2e_s": [r["e2e_s"] for r in rows], "denoise_s": [r["denoise_s"] for r in rows],
                     "metrics_delta": delta,
-                    # seconds a loader process spent per file, cold read + diffusers' conversion
-                    "load_s_per_file": delta["load_seconds_total"] / loads if loads else None}
-                log.info("%dL: e2e %s denoise %s merged at %s, load %s s/file", count,
+                    # seconds per file from submit to tensors on the GPU: cold read, conversion, hand-off
+                    "load_s_per_file": delta["load_seconds_total"] / loads if loads else None,
+                    # GPU time of merging into the weights (and of restoring the previous request's)
+                    "merge_s_per_request": delta["merge_seconds_total"] / setup.runs}
+                log.info("%dL: e2e %s denoise %s merged at %s, load %s s/file, merge+restore %.3f s/request", count,
                          [round(r["e2e_s"], 3) for r in rows], [round(r["denoise_s"], 3) for r in rows],
                          [r["lora_merged_at_step"] for r in rows],
-                         round(out[f"{count}L"]["load_s_per_file"], 3) if loads else "-")
+                         round(out[f"{count}L"]["load_s_per_file"], 3) if loads else "-",
+                         out[f"{count}L"]["merge_s_per_request"])
     return out
 
 

@@ -12,6 +12,9 @@ Text-encoder layers are applied by the text encoder (backends/core/text_encoding
 from __future__ import annotations
 
 import functools
+import threading
+import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -28,8 +31,6 @@ class LoraLayer:
     up: torch.Tensor  # B: [out, rank]
     scale: float  # alpha / rank (1.0 when the file names no alpha, as diffusers does)
 
-    def delta(self, device: torch.device | str = "cpu") -> torch.Tensor:
-        return self.scale * (self.up.to(device, torch.float32) @ self.down.to(device, torch.float32))
 
 
 @dataclass(frozen=True)
@@ -153,38 +154,77 @@ def _text_encoder_layers(name: str, state: dict, alphas: dict | None, prefix: st
     return layers
 
 
-@dataclass
 class LoraMerger:
-    """Merges LoRAs into one model's Linear weights in place and puts the originals back."""
+    """Merges LoRAs into one model's Linear weights in place and puts the originals back.
+    `seconds()` is the time merges and restores have taken so far: device time on a GPU (CUDA
+    events, read once they have completed, so nothing waits for them), wall time on a CPU."""
 
-    model: torch.nn.Module
-    _saved: dict[str, torch.Tensor] = field(default_factory=dict)
+    def __init__(self, model: torch.nn.Module):
+        self.model = model
+        self._saved: dict[str, torch.Tensor] = {}
+        self._seconds = 0.0
+        self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
+        self._lock = threading.Lock()  # the loop thread times, the metrics thread reads
 
     @torch.no_grad()
     def merge(self, loras: list[tuple[LoraWeights, float]]) -> None:
         """Set the weights to base + the given LoRAs at the given scales (replacing any earlier merge)."""
-        deltas: dict[str, torch.Tensor] = {}
+        terms: dict[str, list[tuple[LoraLayer, float]]] = {}
         weights: dict[str, torch.Tensor] = {}
-        for lora, scale in loras:
+        for lora, scale in loras:  # every layer checked before any weight changes (all or nothing)
             for module, layer in lora.unet.items():
-                weights[module] = weight = _linear_weight(self.model, lora.name, module, layer)
-                delta = scale * layer.delta(weight.device)
-                deltas[module] = deltas[module] + delta if module in deltas else delta
-        # Checked everything above: now change the weights (all or nothing).
-        self.restore(keep=set(deltas))
-        for module, delta in deltas.items():
-            weight = weights[module]
-            if module not in self._saved:
-                self._saved[module] = weight.detach().clone()
-            original = self._saved[module]
-            weight.copy_((original.float() + delta).to(weight.dtype))
+                weights[module] = _linear_weight(self.model, lora.name, module, layer)
+                terms.setdefault(module, []).append((layer, scale * layer.scale))
+        with self._timed():
+            self._restore(keep=set(terms))
+            for module, parts in terms.items():
+                weight = weights[module]
+                if module not in self._saved:
+                    self._saved[module] = weight.detach().clone()
+                delta = None
+                for layer, scale in parts:  # fp32, one delta per module at a time (bounded memory)
+                    up, down = layer.up.to(weight.device, torch.float32), layer.down.to(weight.device, torch.float32)
+                    delta = torch.mm(up, down).mul_(scale) if delta is None else delta.addmm_(up, down, alpha=scale)
+                # fp16 + fp32 adds in fp32 and rounds once into the weight, in place
+                torch.add(self._saved[module], delta, out=weight)
 
     @torch.no_grad()
-    def restore(self, keep: set[str] = frozenset()) -> None:
-        """Put back the original weights (except those in `keep`, about to be overwritten)."""
+    def restore(self) -> None:
+        """Put back the original weights."""
+        with self._timed():
+            self._restore()
+
+    def seconds(self) -> float:
+        with self._lock:
+            while self._timings and self._timings[0][1].query():
+                begin, end = self._timings.pop(0)
+                self._seconds += begin.elapsed_time(end) / 1000
+            return self._seconds
+
+    def _restore(self, keep: set[str] = frozenset()) -> None:
         for module in list(self._saved):
-            if module not in keep:
+            if module not in keep:  # (those are about to be overwritten)
                 _linear_weight(self.model, "", module).copy_(self._saved.pop(module))
+
+    @contextmanager
+    def _timed(self):
+        weight = next(self.model.parameters(), None)
+        if weight is None or not weight.is_cuda:
+            start = time.perf_counter()
+            try:
+                yield
+            finally:
+                with self._lock:
+                    self._seconds += time.perf_counter() - start
+            return
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        try:
+            yield
+        finally:
+            end.record()
+            with self._lock:
+                self._timings.append((begin, end))
 
 
 def _linear_weight(model: torch.nn.Module, lora_name: str, module: str, layer: LoraLayer | None = None) -> torch.Tensor:

@@ -3,7 +3,7 @@
 Why processes: reading a LoRA runs diffusers' key conversion in Python; on threads of the
 denoiser's process it competes for the GIL with the step loop. Why not a pickled return value:
 tensors would be pickled through a pipe (slow, a second copy). Instead a worker writes the
-tensors as one safetensors file under /dev/shm (RAM, no pickle), sends back only small metadata
+tensors as one file under /dev/shm (RAM, no pickle; backends/core/shm_tensors.py), sends back only small metadata
 (the segment's path, layer names and scales, bytes), and the parent reads the file and unlinks it
 at once.
 
@@ -17,7 +17,6 @@ No Triton imports: the adapter (backends/easel_denoiser/model.py) drives this, t
 
 from __future__ import annotations
 
-import dataclasses
 import glob
 import logging
 import multiprocessing
@@ -37,6 +36,7 @@ import torch
 
 from .lora import LoraLayer, LoraWeights, load_lora
 from .params import InvalidInput
+from .shm_tensors import read_tensors, write_tensors
 
 log = logging.getLogger(__name__)
 
@@ -255,21 +255,7 @@ class LoraLoaderPool:
             lora = self._exchange(slot, worker, task, segment)
         finally:
             _unlink(segment)  # read already, or never written
-        return self._to_device(lora), time.perf_counter() - start
-
-    def _to_device(self, lora: LoraWeights) -> LoraWeights:
-        """The UNet layers onto the denoiser's GPU here, on a stream of this feeder thread, so a
-        merge on the step loop only reads device memory (host copies there would stall the loop
-        behind the queued UNet work). The loop adopts them onto its stream when they arrive
-        (TorchDenoiser.adopt_loras)."""
-        if self.device.type != "cuda":
-            return lora
-        stream = torch.cuda.Stream(self.device)
-        with torch.cuda.stream(stream):
-            unet = {module: LoraLayer(layer.down.to(self.device), layer.up.to(self.device), layer.scale)
-                    for module, layer in lora.unet.items()}
-        stream.synchronize()
-        return dataclasses.replace(lora, unet=unet)
+        return lora, time.perf_counter() - start
 
     def _exchange(self, slot: int, worker: _Worker, task: _Task, segment: str) -> LoraWeights:
         try:
@@ -300,7 +286,24 @@ class LoraLoaderPool:
             raise InvalidInput(*body)
         if kind == "error":
             raise RuntimeError(f"loras: loading {task.name!r} failed ({body[0]})")
-        return _read_segment(segment, body[0])
+        return self._read_segment(segment, body[0])
+
+    def _read_segment(self, segment: str, meta: dict) -> LoraWeights:
+        """The worker's tensors into this process, onto the denoiser's GPU when it has one: read here,
+        on a stream of this feeder thread, so a merge on the step loop only reads device memory (host
+        copies there would stall the loop behind the queued UNet work). The loop adopts them onto its
+        stream when they arrive (TorchDenoiser.adopt_loras). The caller unlinks the file right after."""
+        if self.device.type == "cuda":
+            with torch.cuda.stream(torch.cuda.Stream(self.device)):
+                tensors = read_tensors(segment, self.device)
+        else:
+            tensors = read_tensors(segment)
+        parts = {component: {module: LoraLayer(tensors[f"{component}/{module}/down"],
+                                               tensors[f"{component}/{module}/up"], scale)
+                             for module, scale in scales.items()}
+                 for component, scales in meta["layers"].items()}
+        unet = parts.pop("unet")
+        return LoraWeights(meta["name"], unet, meta["nbytes"], text_encoders=parts)
 
     def _replace(self, slot: int) -> _Worker:
         old = self._workers[slot]
@@ -312,18 +315,6 @@ class LoraLoaderPool:
     def _remove_segments(self, pattern: str) -> None:
         for path in glob.glob(os.path.join(self.shm_dir, pattern)):
             _unlink(path)
-
-
-def _read_segment(segment: str, meta: dict) -> LoraWeights:
-    from safetensors.torch import load_file
-
-    tensors = load_file(segment)  # into this process's memory; the caller unlinks the file right after
-    parts = {component: {module: LoraLayer(tensors[f"{component}/{module}/down"], tensors[f"{component}/{module}/up"],
-                                           scale)
-                         for module, scale in scales.items()}
-             for component, scales in meta["layers"].items()}
-    unet = parts.pop("unet")
-    return LoraWeights(meta["name"], unet, meta["nbytes"], text_encoders=parts)
 
 
 def _exit_code(worker: _Worker) -> int | None:
@@ -360,7 +351,6 @@ def _worker_main(conn, load) -> None:
             site.addsitedir(folder)
 
     import torch
-    from safetensors.torch import save_file
 
     # Loading is I/O and copies: one thread. With torch's default (a thread per core) in every
     # worker, two loads at once oversubscribe the cores and take 12 s instead of 0.7 s (H200 host).
@@ -383,13 +373,9 @@ def _worker_main(conn, load) -> None:
             lora = load(name, path)
             # Every part of the LoRA (UNet, text encoders), keyed "<component>/<module>/down|up".
             parts = {"unet": lora.unet, **lora.text_encoders}
-            tensors = {f"{component}/{module}/{which}": tensor.detach().contiguous()
-                       for component, layers in parts.items() for module, layer in layers.items()
-                       for which, tensor in (("down", layer.down), ("up", layer.up))}
-            try:
-                save_file(tensors, segment)
-            except RuntimeError:  # tensors sharing storage (a converter's views): copies then
-                save_file({k: t.clone() for k, t in tensors.items()}, segment)
+            write_tensors(segment, {f"{component}/{module}/{which}": tensor
+                                    for component, layers in parts.items() for module, layer in layers.items()
+                                    for which, tensor in (("down", layer.down), ("up", layer.up))})
             reply = ("ok", {"name": lora.name, "nbytes": lora.nbytes,
                             "layers": {component: {module: layer.scale for module, layer in layers.items()}
                                        for component, layers in parts.items()}})

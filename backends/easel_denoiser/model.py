@@ -51,7 +51,8 @@ log = logging.getLogger("backends.easel_denoiser")
 class LoraMetrics:
     """LoRA loading and merging as Prometheus counters (updated from the sender thread only)."""
 
-    def __init__(self, args):
+    def __init__(self, args, merger):
+        self.merger = merger
         self.metrics = Metrics({"model": args["model_name"]}, {
             "loads": ("easel_lora_loads_total", "LoRA files loaded", "counter"),
             "seconds": ("easel_lora_load_seconds_total", "seconds spent loading LoRAs", "counter"),
@@ -59,6 +60,9 @@ class LoraMetrics:
             "merged": ("easel_lora_merged_requests_total", "requests whose LoRAs were merged", "counter"),
             "merge_step": ("easel_lora_merge_step_total", "sum of the steps at which LoRAs landed", "counter"),
             "waits": ("easel_lora_bound_waits_total", "requests that waited at their bound", "counter"),
+            "merge_s": ("easel_lora_merge_seconds_total",
+                        "seconds spent merging LoRAs into the weights and restoring them (GPU time on a GPU)",
+                        "counter"),
         })
 
     def record(self, load, result) -> None:
@@ -71,6 +75,7 @@ class LoraMetrics:
             self.metrics.increment("merged", 1)
             self.metrics.increment("merge_step", result.lora_step)
         self.metrics.increment("waits", int(result.lora_waited))
+        self.metrics.set_total("merge_s", self.merger.seconds())
 
 
 class ControlNetCallMetrics:
@@ -124,7 +129,7 @@ class TritonPythonModel:
         bounds = artifact_folder(args) / BOUNDS_FILE
         self.lora_bounds = json.loads(bounds.read_text()) if bounds.exists() else {}
         self.lora_loads: dict[str, tuple[int, float, int]] = {}  # request id -> (count, seconds, bytes)
-        self.metrics = LoraMetrics(args)
+        self.metrics = LoraMetrics(args, engine.lora_merger)
         if params.get("controlnet_model"):  # the ControlNet service, by BLS
             decl = controlnet_decl(num_skips(engine.unet), WIRE_DTYPES[where.dtype])
             engine.controlnets = BlsControlNets(params["controlnet_model"], decl, self.store)

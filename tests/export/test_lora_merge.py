@@ -50,10 +50,13 @@ def test_merge_matches_diffusers_fuse_and_restores_exactly(tiny_model, store, lo
     base_out = unet_output(unet)
     merger = LoraMerger(unet)
     merger.merge([(load_lora(n, store.lora(n).path), s) for n, s in loras])
+    merged_s = merger.seconds()
+    assert merged_s > 0  # timed (wall time on a CPU)
     ours = unet_output(unet)
     assert (ours - base_out).abs().max() > 1e-3  # the LoRAs do something
     assert (ours - diffusers_fused(tiny_model, store, loras)).abs().max() <= TOLERANCE
     merger.restore()
+    assert merger.seconds() > merged_s  # restoring is timed too
     assert all(torch.equal(v, base_state[k]) for k, v in unet.state_dict().items())
 
 

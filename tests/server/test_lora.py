@@ -98,6 +98,7 @@ def test_lora_metrics(server, http_client):
     assert value("easel_lora_loaded_bytes_total") > before["easel_lora_loaded_bytes_total"]
     assert value("easel_lora_merged_requests_total") - before["easel_lora_merged_requests_total"] == 1
     assert value("easel_lora_load_seconds_total") > 0
+    assert value("easel_lora_merge_seconds_total") > 0
 
 
 def _children(pid: int) -> list[int]:

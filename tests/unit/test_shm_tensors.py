@@ -1,0 +1,65 @@
+"""The shared-memory hand-off format of the LoRA loaders: what goes in comes out, bit for bit."""
+
+import json
+import struct
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from backends.core import shm_tensors
+from backends.core.shm_tensors import read_tensors, write_tensors
+
+
+def sample() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    base = torch.randn(6, 10, generator=g)
+    return {
+        "a/up": torch.randn(7, 3, generator=g).half(),  # odd byte counts between wider tensors
+        "b/down": base.t(),  # not contiguous
+        "c/view": base[1:3],  # a view into another tensor's storage
+        "d/bf16": torch.randn(5, generator=g).bfloat16(),
+        "e/flag": torch.tensor([True, False, True]),
+        "f/empty": torch.empty(0, 4),
+        "g/double": torch.randn(3, generator=g, dtype=torch.float64),
+    }
+
+
+def test_round_trip_is_exact_and_is_safetensors(tmp_path):
+    tensors = sample()
+    path = str(tmp_path / "segment")
+    nbytes = write_tensors(path, tensors)
+    assert nbytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    back = read_tensors(path)
+    assert back.keys() == tensors.keys()
+    for key, tensor in tensors.items():
+        assert back[key].dtype == tensor.dtype and back[key].shape == tensor.shape
+        assert torch.equal(back[key], tensor), key
+    # The library reads it too: the layout is safetensors', no holes, data 8-byte aligned.
+    library = load_file(path)
+    assert all(torch.equal(library[k], t) for k, t in tensors.items())
+    with open(path, "rb") as f:
+        (length,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(length))
+    assert length % 8 == 0
+    for entry in header.values():  # each tensor starts at a multiple of its element size
+        assert entry["data_offsets"][0] % shm_tensors.DTYPES[entry["dtype"]].itemsize == 0
+
+
+def test_truncated_segment_fails_clearly(tmp_path):
+    path = tmp_path / "segment"
+    write_tensors(str(path), sample())
+    path.write_bytes(path.read_bytes()[:-5])
+    with pytest.raises(EOFError, match="5 bytes early"):
+        read_tensors(str(path))
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+def test_read_to_gpu_in_chunks(tmp_path, monkeypatch):
+    monkeypatch.setattr(shm_tensors, "CHUNK_BYTES", 64)  # many chunks through both pinned buffers
+    tensors = {**sample(), "h/big": torch.randn(1000)}
+    path = str(tmp_path / "segment")
+    write_tensors(path, tensors)
+    back = read_tensors(path, "cuda")
+    for key, tensor in tensors.items():
+        assert back[key].is_cuda and torch.equal(back[key].cpu(), tensor), key
