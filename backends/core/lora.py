@@ -181,12 +181,17 @@ class LoraMerger:
                 weight = weights[module]
                 if module not in self._saved:
                     self._saved[module] = weight.detach().clone()
-                delta = None
-                for layer, scale in parts:  # fp32, one delta per module at a time (bounded memory)
-                    up, down = layer.up.to(weight.device, torch.float32), layer.down.to(weight.device, torch.float32)
-                    delta = torch.mm(up, down).mul_(scale) if delta is None else delta.addmm_(up, down, alpha=scale)
-                # fp16 + fp32 adds in fp32 and rounds once into the weight, in place
-                torch.add(self._saved[module], delta, out=weight)
+                # fp32, one module's delta at a time (bounded memory); few kernels per module, as
+                # the loop launches them between two steps of the running requests.
+                (layer, scale), *more = parts
+                delta = torch.mm(*_factors(layer, weight.device))
+                if more:
+                    delta.mul_(scale)
+                    for layer, other in more:
+                        delta.addmm_(*_factors(layer, weight.device), alpha=other)
+                    scale = 1.0
+                # base (fp16) + scale * delta (fp32), summed in fp32, rounded once into the weight
+                torch.add(self._saved[module], delta, alpha=scale, out=weight)
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -225,6 +230,10 @@ class LoraMerger:
             end.record()
             with self._lock:
                 self._timings.append((begin, end))
+
+
+def _factors(layer: LoraLayer, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    return layer.up.to(device, torch.float32), layer.down.to(device, torch.float32)
 
 
 def _linear_weight(model: torch.nn.Module, lora_name: str, module: str, layer: LoraLayer | None = None) -> torch.Tensor:

@@ -36,7 +36,7 @@ import torch
 
 from .lora import LoraLayer, LoraWeights, load_lora
 from .params import InvalidInput
-from .shm_tensors import read_tensors, write_tensors
+from .shm_tensors import Staging, read_tensors, write_tensors
 
 log = logging.getLogger(__name__)
 
@@ -125,6 +125,9 @@ class LoraLoaderPool:
         self._closed = False
         self._lock = threading.Lock()
         self._workers: list[_Worker | None] = [None] * workers
+        # Per feeder, made once (backends/core/shm_tensors.py says why): a stream to copy on, pinned chunks.
+        self._streams = [torch.cuda.Stream(self.device) for _ in range(workers)] if self.device.type == "cuda" else []
+        self._staging = [Staging() for _ in range(workers)] if self.device.type == "cuda" else []
         for slot in range(workers):  # started now, so their imports happen before the first request
             self._workers[slot] = _Worker(self._ctx, load)
         self._feeders = [threading.Thread(target=self._feed, args=(slot,), name=f"easel-lora-feeder-{slot}",
@@ -286,16 +289,16 @@ class LoraLoaderPool:
             raise InvalidInput(*body)
         if kind == "error":
             raise RuntimeError(f"loras: loading {task.name!r} failed ({body[0]})")
-        return self._read_segment(segment, body[0])
+        return self._read_segment(slot, segment, body[0])
 
-    def _read_segment(self, segment: str, meta: dict) -> LoraWeights:
+    def _read_segment(self, slot: int, segment: str, meta: dict) -> LoraWeights:
         """The worker's tensors into this process, onto the denoiser's GPU when it has one: read here,
         on a stream of this feeder thread, so a merge on the step loop only reads device memory (host
         copies there would stall the loop behind the queued UNet work). The loop adopts them onto its
         stream when they arrive (TorchDenoiser.adopt_loras). The caller unlinks the file right after."""
         if self.device.type == "cuda":
-            with torch.cuda.stream(torch.cuda.Stream(self.device)):
-                tensors = read_tensors(segment, self.device)
+            with torch.cuda.stream(self._streams[slot]):
+                tensors = read_tensors(segment, self.device, self._staging[slot])
         else:
             tensors = read_tensors(segment)
         parts = {component: {module: LoraLayer(tensors[f"{component}/{module}/down"],

@@ -7,9 +7,12 @@ hundreds of MiB), and its readers give one host tensor per key, where a GPU want
 the whole data section. Tensors are written largest element size first, so every tensor's
 offset is a multiple of its element size and the reader can view them in one buffer.
 
-Reading for a GPU goes through two small pinned chunks: the file is read into one while the
-other is being copied to the device (pinned memory is what lets the copy run asynchronously at
-full speed; bounded chunks keep the pinned memory small however big the LoRA).
+Reading for a GPU goes through two small pinned chunks (`Staging`): the file is read into one
+while the other is being copied to the device. Pinned memory is what lets the copy run
+asynchronously at full speed; bounded chunks keep it small however big the LoRA. A reader keeps
+its `Staging` and reads on one stream of its own: pinning memory and allocating device memory
+take the driver's locks, and on the H200 host doing them per load stalled the denoiser's step
+loop (launching kernels from another thread) by 100-700 ms.
 """
 
 from __future__ import annotations
@@ -50,9 +53,18 @@ def write_tensors(path: str, tensors: dict[str, torch.Tensor]) -> int:
     return offset
 
 
-def read_tensors(path: str, device: torch.device | str = "cpu") -> dict[str, torch.Tensor]:
+class Staging:
+    """Two pinned host chunks for reading files onto a GPU, allocated once."""
+
+    def __init__(self, chunk_bytes: int = CHUNK_BYTES):
+        self.chunks = [torch.empty(chunk_bytes, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+
+
+def read_tensors(path: str, device: torch.device | str = "cpu", staging: Staging | None = None
+                 ) -> dict[str, torch.Tensor]:
     """The tensors of a file written by `write_tensors`, as views of one buffer on `device`.
-    For a CUDA device the copy runs on the current stream and is complete when this returns."""
+    For a CUDA device the copy runs on the current stream, through `staging` (or chunks pinned
+    for this call), and is complete when this returns."""
     device = torch.device(device)
     with open(path, "rb", buffering=0) as f:
         (length,) = struct.unpack("<Q", _read_exactly(f, 8))
@@ -64,7 +76,7 @@ def read_tensors(path: str, device: torch.device | str = "cpu") -> dict[str, tor
             raise EOFError(f"{path}: ends {end - size} bytes early")
         if device.type == "cuda":
             data = torch.empty(size, dtype=torch.uint8, device=device)
-            _read_to_device(f, data)
+            _read_to_device(f, data, staging or Staging(min(CHUNK_BYTES, max(size, 1))))
         else:  # mapped copy-on-write, read when touched: no copy here, and unlinking the file is fine
             data = torch.from_file(path, shared=False, size=8 + length + size, dtype=torch.uint8)[8 + length:]
     tensors = {}
@@ -75,15 +87,15 @@ def read_tensors(path: str, device: torch.device | str = "cpu") -> dict[str, tor
     return tensors
 
 
-def _read_to_device(f, data: torch.Tensor) -> None:
-    chunks = [torch.empty(min(CHUNK_BYTES, data.numel()) or 1, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+def _read_to_device(f, data: torch.Tensor, staging: Staging) -> None:
+    chunks, step = staging.chunks, staging.chunks[0].numel()
     copied = [None, None]  # the event after each chunk's last copy: it may be refilled once that is done
     stream = torch.cuda.current_stream(data.device)
-    for index, start in enumerate(range(0, data.numel(), CHUNK_BYTES)):
+    for index, start in enumerate(range(0, data.numel(), step)):
         slot = index % 2
         if copied[slot] is not None:
             copied[slot].synchronize()
-        n = min(CHUNK_BYTES, data.numel() - start)
+        n = min(step, data.numel() - start)
         _read_into(f, chunks[slot][:n])
         data[start:start + n].copy_(chunks[slot][:n], non_blocking=True)
         copied[slot] = torch.cuda.Event()

@@ -55,11 +55,14 @@ def test_truncated_segment_fails_clearly(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
-def test_read_to_gpu_in_chunks(tmp_path, monkeypatch):
-    monkeypatch.setattr(shm_tensors, "CHUNK_BYTES", 64)  # many chunks through both pinned buffers
+def test_read_to_gpu_in_chunks(tmp_path):
     tensors = {**sample(), "h/big": torch.randn(1000)}
     path = str(tmp_path / "segment")
     write_tensors(path, tensors)
-    back = read_tensors(path, "cuda")
-    for key, tensor in tensors.items():
-        assert back[key].is_cuda and torch.equal(back[key].cpu(), tensor), key
+    staging = shm_tensors.Staging(chunk_bytes=64)  # many chunks through both pinned buffers
+    for _ in range(2):  # the staging chunks are reused
+        back = read_tensors(path, "cuda", staging)
+        for key, tensor in tensors.items():
+            assert back[key].is_cuda and torch.equal(back[key].cpu(), tensor), key
+    back = read_tensors(path, "cuda")  # chunks of its own
+    assert all(torch.equal(back[k].cpu(), t) for k, t in tensors.items())
