@@ -5,7 +5,7 @@ go through `StableDiffusionXLPipeline.lora_state_dict` and diffusers' PEFT key c
 a file loads here exactly when it loads in diffusers. Merge: W = W0 + sum_i s_i * (alpha_i/r_i) *
 B_i @ A_i, computed in fp32 from the saved original W0 (merging again never accumulates
 rounding, and LoRAs never multiply each other). Restore copies W0 back: bit for bit, no
-`W -= ...` drift. Writes are in place (`copy_`), so captured CUDA graphs keep seeing the weights.
+`W -= ...` drift. Writes go into the weights' own memory, so captured CUDA graphs keep seeing them.
 Text-encoder layers are applied by the text encoder (backends/core/text_encoding.py).
 """
 
@@ -23,6 +23,7 @@ import torch
 from .params import InvalidInput
 
 BOUNDS_FILE = "lora_bounds.json"  # per-LoRA bound K, written by `easel profile-lora` beside the UNet
+DELTA_BYTES = 256 << 20  # fp32 deltas a merge holds at once (a bigger layer still goes alone)
 
 
 @dataclass(frozen=True)
@@ -175,23 +176,28 @@ class LoraMerger:
             for module, layer in lora.unet.items():
                 weights[module] = _linear_weight(self.model, lora.name, module, layer)
                 terms.setdefault(module, []).append((layer, scale * layer.scale))
+        # The step loop launches the merge between two steps, and an SDXL LoRA touches hundreds of
+        # Linears: modules whose terms have the same shapes and scales share one batched product,
+        # so it costs a few kernels per group and one add per module, not several per module.
+        groups: dict[tuple, list[str]] = {}
+        for module, parts in terms.items():
+            weight = weights[module]
+            key = (tuple(weight.shape), weight.device, tuple((layer.down.shape[0], scale) for layer, scale in parts))
+            groups.setdefault(key, []).append(module)
         with self._timed():
             self._restore(keep=set(terms))
-            for module, parts in terms.items():
-                weight = weights[module]
+            for module, weight in weights.items():
                 if module not in self._saved:
                     self._saved[module] = weight.detach().clone()
-                # fp32, one module's delta at a time (bounded memory); few kernels per module, as
-                # the loop launches them between two steps of the running requests.
-                (layer, scale), *more = parts
-                delta = torch.mm(*_factors(layer, weight.device))
-                if more:
-                    delta.mul_(scale)
-                    for layer, other in more:
-                        delta.addmm_(*_factors(layer, weight.device), alpha=other)
-                    scale = 1.0
-                # base (fp16) + scale * delta (fp32), summed in fp32, rounded once into the weight
-                torch.add(self._saved[module], delta, alpha=scale, out=weight)
+            for (shape, device, ranks_scales), modules in groups.items():
+                per_chunk = max(1, DELTA_BYTES // (4 * shape[0] * shape[1]))
+                for first in range(0, len(modules), per_chunk):
+                    chunk = modules[first:first + per_chunk]
+                    deltas = _deltas([[terms[m][j][0] for m in chunk] for j in range(len(ranks_scales))],
+                                     [scale for _, scale in ranks_scales], device)
+                    for module, delta in zip(chunk, deltas):
+                        # base (fp16) + delta (fp32), summed in fp32, rounded once into the weight, in place
+                        torch.add(self._saved[module], delta, out=weights[module])
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -232,8 +238,14 @@ class LoraMerger:
                 self._timings.append((begin, end))
 
 
-def _factors(layer: LoraLayer, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    return layer.up.to(device, torch.float32), layer.down.to(device, torch.float32)
+def _deltas(layers: list[list[LoraLayer]], scales: list[float], device: torch.device) -> torch.Tensor:
+    """sum_j scales[j] * B @ A of each module, [modules, out, in] in fp32: for LoRA j, `layers[j]`
+    holds its layer of each module. The LoRAs' factors sit side by side along the rank
+    ([s_1 B_1 | s_2 B_2] @ [A_1; A_2]), so one product sums them without cross terms."""
+    ups = [torch.stack([layer.up for layer in part]).to(device, torch.float32).mul_(scale)
+           for part, scale in zip(layers, scales)]
+    downs = [torch.stack([layer.down for layer in part]).to(device, torch.float32) for part in layers]
+    return torch.bmm(torch.cat(ups, dim=2), torch.cat(downs, dim=1))
 
 
 def _linear_weight(model: torch.nn.Module, lora_name: str, module: str, layer: LoraLayer | None = None) -> torch.Tensor:

@@ -72,6 +72,22 @@ def test_merging_again_does_not_drift(tiny_model, store):
     assert all(torch.equal(v, once[k]) for k, v in unet.state_dict().items())
 
 
+def test_merging_in_small_chunks_gives_the_same_weights(tiny_model, store, monkeypatch):
+    """The merge batches same-shaped layers into one product, in chunks bounded by DELTA_BYTES:
+    one layer per chunk gives the same weights."""
+    import backends.core.lora as lora_module
+
+    unet = StableDiffusionXLPipeline.from_pretrained(tiny_model, add_watermarker=False).unet
+    loras = [(load_lora(n, store.lora(n).path), s) for n, s in (("papercut", 0.8), ("inkwash", 0.5))]
+    merger = LoraMerger(unet)
+    merger.merge(loras)
+    batched = {k: v.clone() for k, v in unet.state_dict().items()}
+    monkeypatch.setattr(lora_module, "DELTA_BYTES", 1)
+    merger.merge([])
+    merger.merge(loras)
+    assert all(torch.allclose(v, batched[k], rtol=0, atol=1e-6) for k, v in unet.state_dict().items())
+
+
 def test_a_lora_that_does_not_fit_changes_nothing(tiny_model, alt_model, store):
     alt_unet = StableDiffusionXLPipeline.from_pretrained(alt_model, add_watermarker=False).unet
     before = {k: v.clone() for k, v in alt_unet.state_dict().items()}
