@@ -162,7 +162,7 @@ class LoraMerger:
 
     def __init__(self, model: torch.nn.Module):
         self.model = model
-        self._saved: dict[str, torch.Tensor] = {}
+        self._saved: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # module -> (weight, its original)
         self._seconds = 0.0
         self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._lock = threading.Lock()  # the loop thread times, the metrics thread reads
@@ -188,7 +188,7 @@ class LoraMerger:
             self._restore(keep=set(terms))
             for module, weight in weights.items():
                 if module not in self._saved:
-                    self._saved[module] = weight.detach().clone()
+                    self._saved[module] = weight, weight.detach().clone()
             for (shape, device, ranks_scales), modules in groups.items():
                 per_chunk = max(1, DELTA_BYTES // (4 * shape[0] * shape[1]))
                 for first in range(0, len(modules), per_chunk):
@@ -197,7 +197,7 @@ class LoraMerger:
                                      [scale for _, scale in ranks_scales], device)
                     for module, delta in zip(chunk, deltas):
                         # base (fp16) + delta (fp32), summed in fp32, rounded once into the weight, in place
-                        torch.add(self._saved[module], delta, out=weights[module])
+                        torch.add(self._saved[module][1], delta, out=weights[module])
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -215,7 +215,8 @@ class LoraMerger:
     def _restore(self, keep: set[str] = frozenset()) -> None:
         for module in list(self._saved):
             if module not in keep:  # (those are about to be overwritten)
-                _linear_weight(self.model, "", module).copy_(self._saved.pop(module))
+                weight, original = self._saved.pop(module)
+                weight.copy_(original)
 
     @contextmanager
     def _timed(self):
@@ -248,13 +249,13 @@ def _deltas(layers: list[list[LoraLayer]], scales: list[float], device: torch.de
     return torch.bmm(torch.cat(ups, dim=2), torch.cat(downs, dim=1))
 
 
-def _linear_weight(model: torch.nn.Module, lora_name: str, module: str, layer: LoraLayer | None = None) -> torch.Tensor:
+def _linear_weight(model: torch.nn.Module, lora_name: str, module: str, layer: LoraLayer) -> torch.Tensor:
     """The weight a LoRA layer changes; a clear error when the base model has no such layer or shape."""
     try:
         weight = model.get_submodule(module).weight
     except AttributeError:
         raise InvalidInput("loras", f"{lora_name!r}: layer {module} does not exist in the base model") from None
-    if layer is not None and (layer.up.shape[0], layer.down.shape[1]) != tuple(weight.shape):
+    if (layer.up.shape[0], layer.down.shape[1]) != tuple(weight.shape):
         raise InvalidInput("loras", f"{lora_name!r}: layer {module} is {(layer.up.shape[0], layer.down.shape[1])}, "
                                     f"the base model's is {tuple(weight.shape)}")
     return weight
