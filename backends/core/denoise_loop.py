@@ -39,6 +39,7 @@ class DenoiseResult:
     max_batch: int = 1
     lora_step: int | None = None  # the step before which its LoRAs were merged
     lora_waited: bool = False  # it waited at its bound for them
+    lora_wait_s: float = 0.0  # for how long
 
 
 class DenoiseLoop:
@@ -155,4 +156,5 @@ class DenoiseLoop:
         first = seq.first_step_at if seq.first_step_at is not None else now
         latents = self.engine.result(state) if seq.status is Status.FINISHED else None
         self.on_done(DenoiseResult(seq.request_id, latents, seq.error, first - seq.arrival, now - first,
-                                   seq.steps_done, state.max_batch, state.lora_step, seq.waited_at_bound))
+                                   seq.steps_done, state.max_batch, state.lora_step, seq.waited_at_bound,
+                                   seq.bound_wait_s))

@@ -40,6 +40,8 @@ class SeqState:
     # Bounded asynchrony: while its LoRAs load, the request may run steps below this one only.
     wait_from_step: int | None = None
     waited_at_bound: bool = False  # it was held at its bound at least once
+    bound_wait_s: float = 0.0  # time held there, from the `now` of the plans that held and resumed it
+    held_since: float | None = None
 
     @property
     def runnable(self) -> bool:
@@ -119,8 +121,13 @@ class StepScheduler:
         for seq in self.running.values():
             if seq.runnable:
                 runnable.append(seq)
+                if seq.held_since is not None:
+                    seq.bound_wait_s += now - seq.held_since
+                    seq.held_since = None
             else:
                 seq.waited_at_bound = True
+                if seq.held_since is None:
+                    seq.held_since = now
         if not runnable:
             return None
 

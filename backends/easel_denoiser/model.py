@@ -60,6 +60,7 @@ class LoraMetrics:
             "merged": ("easel_lora_merged_requests_total", "requests whose LoRAs were merged", "counter"),
             "merge_step": ("easel_lora_merge_step_total", "sum of the steps at which LoRAs landed", "counter"),
             "waits": ("easel_lora_bound_waits_total", "requests that waited at their bound", "counter"),
+            "wait_s": ("easel_lora_bound_wait_seconds_total", "seconds requests waited at their bound", "counter"),
             "merge_s": ("easel_lora_merge_seconds_total",
                         "seconds spent merging LoRAs into the weights and restoring them (GPU time on a GPU)",
                         "counter"),
@@ -75,6 +76,7 @@ class LoraMetrics:
             self.metrics.increment("merged", 1)
             self.metrics.increment("merge_step", result.lora_step)
         self.metrics.increment("waits", int(result.lora_waited))
+        self.metrics.increment("wait_s", result.lora_wait_s)
         self.metrics.set_total("merge_s", self.merger.seconds())
 
 
@@ -189,7 +191,8 @@ class TritonPythonModel:
                 sender.send(error(f"denoiser: {result.error}"), flags=FINAL)
                 continue
             params = params.with_trace(queue_s=result.queue_s, denoise_s=result.denoise_s,
-                                       max_batch=result.max_batch, denoiser=self.name, lora_step=result.lora_step)
+                                       max_batch=result.max_batch, denoiser=self.name, lora_step=result.lora_step,
+                                       lora_wait_s=result.lora_wait_s)
             sender.send(pb_utils.InferenceResponse([
                 params_tensor(params), pb_utils.Tensor("latents", np.ascontiguousarray(result.latents))]),
                 flags=FINAL)

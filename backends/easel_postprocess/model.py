@@ -30,7 +30,7 @@ def info_of(params) -> dict:
             "width": params.width, "height": params.height, "guidance_scale": params.guidance_scale,
             "queue_s": trace.pop("queue_s", None), "max_batch": trace.pop("max_batch", None),
             "denoiser": trace.pop("denoiser", None), "lora_merged_at_step": trace.pop("lora_step", None),
-            "stages_s": trace}
+            "lora_wait_s": trace.pop("lora_wait_s", None), "stages_s": trace}
     if received is not None:
         info["total_s"] = time.time() - received
     return info

@@ -82,7 +82,9 @@ def test_lora_with_controlnet_matches_diffusers(http_client, tiny_model):
 def test_info_says_where_the_lora_landed(http_client):
     info = http_client.generate("a fox", seed=1, steps=2, width=64, height=64, loras=("papercut",)).info
     assert info["lora_merged_at_step"] == 0  # bound 0: the request waits for its LoRA
-    assert http_client.generate("a fox", seed=1, steps=2, width=64, height=64).info["lora_merged_at_step"] is None
+    assert info["lora_wait_s"] > 0  # (for the load)
+    plain = http_client.generate("a fox", seed=1, steps=2, width=64, height=64).info
+    assert plain["lora_merged_at_step"] is None and plain["lora_wait_s"] == 0
 
 
 def test_lora_metrics(server, http_client):
@@ -99,6 +101,7 @@ def test_lora_metrics(server, http_client):
     assert value("easel_lora_merged_requests_total") - before["easel_lora_merged_requests_total"] == 1
     assert value("easel_lora_load_seconds_total") > 0
     assert value("easel_lora_merge_seconds_total") > 0
+    assert value("easel_lora_bound_wait_seconds_total") > 0
 
 
 def _children(pid: int) -> list[int]:

@@ -381,3 +381,16 @@ def test_randomized_simulation_keeps_every_invariant(seed):
     for rid, q in requests.items():
         assert q.status is outcome[rid] and q.done
     assert sum(st is Status.FINISHED for st in outcome.values()) > len(requests) // 2
+
+
+def test_time_held_at_the_lora_bound_is_measured_from_the_plans_now():
+    s = scheduler(16, 16, seq("a", steps=4), seq("b", steps=4))
+    a = s.find("a")
+    a.wait_from_step = 1  # its LoRAs are loading: it may run step 0 only
+    for now, expected in ((1.0, {"a", "b"}), (2.0, {"b"}), (3.0, {"b"})):  # held from the plan at 2.0
+        plan = s.schedule(now=now)
+        assert set(plan.request_ids) == expected
+        s.update(plan, StepOutput())
+    a.wait_from_step = None  # loaded: it runs again from the next plan
+    assert "a" in s.schedule(now=4.5).request_ids
+    assert a.waited_at_bound and a.bound_wait_s == 2.5 and a.held_since is None
