@@ -195,14 +195,22 @@ def time_easel(repo: Path, loras: list[dict], setup: Setup, scale: float) -> dic
                     drop_cache(paths)
                     before = metric_totals(server.metrics_port, LORA_METRICS)
                     start = time.perf_counter()
-                    info = client.generate(PROMPT, width=setup.size, height=setup.size, steps=setup.steps,
-                                           seed=run, **extra).info
+                    try:
+                        info = client.generate(PROMPT, width=setup.size, height=setup.size, steps=setup.steps,
+                                               seed=run, **extra).info
+                    except Exception as exc:  # reported with the server's log, and the run goes on
+                        tail = "\n".join(server.log_text().splitlines()[-40:])
+                        log.error("run %d %dL failed after %.3fs: %s\n--- server log ---\n%s", run, count,
+                                  time.perf_counter() - start, exc, tail)
+                        out.setdefault("failures", []).append({"run": run, "count": count, "error": str(exc),
+                                                               "server_log_tail": tail})
+                        continue
                     e2e = time.perf_counter() - start
                     # The merge-time counter moves when a request finishes; a restore is timed within the
                     # next request's merge (or with the next request that has none).
                     after = metric_totals(server.metrics_port, LORA_METRICS)
                     delta = {k.removeprefix("easel_lora_"): after[k] - before[k] for k in LORA_METRICS}
-                    row = {"loras": names, "e2e_s": e2e, "denoise_s": info["stages_s"].get("denoise_s"),
+                    row = {"run": run, "loras": names, "e2e_s": e2e, "denoise_s": info["stages_s"].get("denoise_s"),
                            "queue_s": info.get("queue_s"), "lora_merged_at_step": info.get("lora_merged_at_step"),
                            "lora_wait_s": info.get("lora_wait_s"), "stages_s": info["stages_s"],
                            "metrics_delta": delta,
@@ -318,7 +326,9 @@ def summarize(report: dict) -> dict[str, dict]:
             entry[f"{count}L_overhead_pct"] = 100 * (value - base) / base
             # Each run's request against the 0L request of the same run, which ran just before it:
             # less exposed to the host's drifts than the difference of medians.
-            paired = [x - b for x, b in zip(rows[f"{count}L"]["e2e_s"], rows["0L"]["e2e_s"])]
+            base_of = {r.get("run", i): r["e2e_s"] for i, r in enumerate(rows["0L"]["runs"])}
+            paired = [r["e2e_s"] - base_of[r.get("run", i)] for i, r in enumerate(rows[f"{count}L"]["runs"])
+                      if r.get("run", i) in base_of]
             entry[f"{count}L_paired_overhead_s"] = med(paired)
             entry[f"{count}L_paired_overhead_pct"] = 100 * med(paired) / base
             entry[f"{count}L_below_5pct"] = med(paired) < 0.05 * base  # the goal
