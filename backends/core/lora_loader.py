@@ -342,6 +342,22 @@ def _remove_orphans(shm_dir: str) -> None:
 
 # -- the worker process -----------------------------------------------------------------------
 
+def _warm_up() -> None:
+    """One tiny LoRA through the whole path (diffusers' converters import more on first use)."""
+    import tempfile
+
+    from safetensors.torch import save_file
+
+    module = "unet.down_blocks.0.attentions.0.transformer_blocks.0.attn1.to_q"
+    with tempfile.TemporaryDirectory(prefix="easel-lora-warm-up-") as folder:
+        path = os.path.join(folder, "warm_up.safetensors")
+        save_file({f"{module}.lora_A.weight": torch.zeros(1, 8, dtype=torch.float16),
+                   f"{module}.lora_B.weight": torch.zeros(8, 1, dtype=torch.float16)}, path)
+        lora = load_lora("warm_up", path)
+        write_tensors(os.path.join(folder, "segment"), {f"{m}/{w}": t for m, layer in lora.unet.items()
+                                                        for w, t in (("down", layer.down), ("up", layer.up))})
+
+
 def _worker_main(conn, load) -> None:
     import signal
     import site
@@ -360,9 +376,8 @@ def _worker_main(conn, load) -> None:
     torch.set_num_threads(1)
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # Ctrl-C reaches the whole group; the parent stops us
-    if load is load_lora:  # diffusers' pipelines import takes seconds: pay it now, not on the first request
-        from diffusers import StableDiffusionXLPipeline  # noqa: F401
-        from diffusers.utils import convert_unet_state_dict_to_peft  # noqa: F401
+    if load is load_lora:  # imports and first calls take seconds: pay them now, not on the first request
+        _warm_up()
     conn.send(("ready",))
     while True:
         try:
