@@ -33,7 +33,6 @@ class LoraLayer:
     scale: float  # alpha / rank (1.0 when the file names no alpha, as diffusers does)
 
 
-
 @dataclass(frozen=True)
 class LoraWeights:
     name: str

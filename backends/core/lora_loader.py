@@ -3,9 +3,9 @@
 Why processes: reading a LoRA runs diffusers' key conversion in Python; on threads of the
 denoiser's process it competes for the GIL with the step loop. Why not a pickled return value:
 tensors would be pickled through a pipe (slow, a second copy). Instead a worker writes the
-tensors as one file under /dev/shm (RAM, no pickle; backends/core/shm_tensors.py), sends back only small metadata
-(the segment's path, layer names and scales, bytes), and the parent reads the file and unlinks it
-at once.
+tensors as one file under /dev/shm (RAM, no pickle; backends/core/shm_tensors.py), sends back
+only small metadata (the segment's path, layer names and scales, bytes), and the parent reads
+the file and unlinks it at once.
 
 Each worker process has its own feeder thread in the parent that hands it one file at a time and
 waits for either its reply or its death. A worker that dies (killed, out of memory, a crash in
@@ -353,9 +353,14 @@ def _warm_up() -> None:
         path = os.path.join(folder, "warm_up.safetensors")
         save_file({f"{module}.lora_A.weight": torch.zeros(1, 8, dtype=torch.float16),
                    f"{module}.lora_B.weight": torch.zeros(8, 1, dtype=torch.float16)}, path)
-        lora = load_lora("warm_up", path)
-        write_tensors(os.path.join(folder, "segment"), {f"{m}/{w}": t for m, layer in lora.unet.items()
-                                                        for w, t in (("down", layer.down), ("up", layer.up))})
+        write_tensors(os.path.join(folder, "segment"), _segment_tensors(load_lora("warm_up", path)))
+
+
+def _segment_tensors(lora: LoraWeights) -> dict[str, torch.Tensor]:
+    """Every part of a LoRA (UNet, text encoders), keyed "<component>/<module>/down|up"."""
+    parts = {"unet": lora.unet, **lora.text_encoders}
+    return {f"{component}/{module}/{which}": tensor for component, layers in parts.items()
+            for module, layer in layers.items() for which, tensor in (("down", layer.down), ("up", layer.up))}
 
 
 def _worker_main(conn, load) -> None:
@@ -389,11 +394,8 @@ def _worker_main(conn, load) -> None:
         name, path, segment = message
         try:
             lora = load(name, path)
-            # Every part of the LoRA (UNet, text encoders), keyed "<component>/<module>/down|up".
+            write_tensors(segment, _segment_tensors(lora))
             parts = {"unet": lora.unet, **lora.text_encoders}
-            write_tensors(segment, {f"{component}/{module}/{which}": tensor
-                                    for component, layers in parts.items() for module, layer in layers.items()
-                                    for which, tensor in (("down", layer.down), ("up", layer.up))})
             reply = ("ok", {"name": lora.name, "nbytes": lora.nbytes,
                             "layers": {component: {module: layer.scale for module, layer in layers.items()}
                                        for component, layers in parts.items()}})

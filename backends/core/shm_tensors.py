@@ -40,7 +40,8 @@ def write_tensors(path: str, tensors: dict[str, torch.Tensor]) -> int:
         if tensor.dtype not in NAMES:
             raise TypeError(f"{key}: dtype {tensor.dtype} cannot be handed over")
         nbytes = tensor.numel() * tensor.element_size()
-        header[key] = {"dtype": NAMES[tensor.dtype], "shape": list(tensor.shape), "data_offsets": [offset, offset + nbytes]}
+        header[key] = {"dtype": NAMES[tensor.dtype], "shape": list(tensor.shape),
+                       "data_offsets": [offset, offset + nbytes]}
         offset += nbytes
     encoded = json.dumps(header, separators=(",", ":")).encode()
     encoded += b" " * (-len(encoded) % 8)  # the data starts 8-byte aligned, as in safetensors
