@@ -184,15 +184,17 @@ class TorchDenoiser:
         return failed
 
     def adopt_loras(self, loras: LoraSet) -> LoraSet:
-        """LoRA tensors put on the GPU by a loader thread's stream are read on ours from now on:
-        the allocator must not reuse their memory before our stream is done with them."""
-        if self.stream is not None:
-            for lora, _ in loras:
-                for layer in lora.unet.values():
-                    for tensor in (layer.down, layer.up):
-                        if tensor.is_cuda:
-                            tensor.record_stream(self.stream)
+        """LoRA tensors put on the GPU by a loader thread's stream, read on ours from now on."""
+        self._adopt(t for lora, _ in loras for layer in lora.unet.values() for t in (layer.down, layer.up))
         return loras
+
+    def _adopt(self, tensors) -> None:
+        """Tensors allocated on another thread's stream and read on ours: the allocator must not
+        reuse their memory before our stream is done with them."""
+        if self.stream is not None:
+            for tensor in tensors:
+                if tensor.is_cuda:
+                    tensor.record_stream(self.stream)
 
     def _loras(self, states):
         """Merge the batch's LoRA set when all its requests share one (restoring the base weights
@@ -248,10 +250,7 @@ class TorchDenoiser:
             row += s.rows
             try:
                 results = [f.result() for f in futures]
-                if self.stream is not None:  # allocated on a BLS thread's stream, read on ours
-                    for down, m in results:
-                        for t in (*down, m):
-                            t.record_stream(self.stream)
+                self._adopt(t for down, m in results for t in (*down, m))  # made on a BLS thread's stream
                 summed = sum_residuals(results)
             except Exception as exc:  # this request's ControlNet failed: it alone leaves
                 failed[s.job.request_id] = f"controlnet: {exc}"

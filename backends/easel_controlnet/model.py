@@ -39,26 +39,27 @@ def _tensor(request, name: str, device) -> torch.Tensor:
 class _CacheMetrics:
     """The cache's counters as Prometheus metrics, labelled by model instance."""
 
-    COUNTERS = {
+    CACHE_COUNTERS = {  # keyed by the cache's stats
         "hits": ("easel_controlnet_cache_hits_total", "ControlNet calls served from the resident set", "counter"),
         "misses": ("easel_controlnet_cache_misses_total", "ControlNet calls that loaded from the store", "counter"),
         "evictions": ("easel_controlnet_cache_evictions_total", "ControlNets evicted", "counter"),
         "load_seconds": ("easel_controlnet_load_seconds_total", "seconds spent loading ControlNets", "counter"),
+    }
+    OTHERS = {
         "compute_seconds": ("easel_controlnet_compute_seconds_total",
                             "seconds from a call's inputs to its residuals, loads included", "counter"),
-    }
-    GAUGES = {
         "resident": ("easel_controlnet_resident", "ControlNets resident", "gauge"),
         "resident_bytes": ("easel_controlnet_resident_bytes", "bytes of resident ControlNets", "gauge"),
     }
 
     def __init__(self, args):
         labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
-        self.metrics = Metrics(labels, {**self.COUNTERS, **self.GAUGES})
+        self.metrics = Metrics(labels, {**self.CACHE_COUNTERS, **self.OTHERS})
 
     def update(self, cache: ControlNetCache, compute_seconds: float) -> None:
-        for key in self.COUNTERS:
-            self.metrics.set_total(key, compute_seconds if key == "compute_seconds" else getattr(cache.stats, key))
+        for key in self.CACHE_COUNTERS:
+            self.metrics.set_total(key, getattr(cache.stats, key))
+        self.metrics.set_total("compute_seconds", compute_seconds)
         resident = cache.resident
         self.metrics.set("resident", len(resident))
         self.metrics.set("resident_bytes", sum(resident.values()))
