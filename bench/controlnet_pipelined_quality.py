@@ -10,7 +10,6 @@ good a trained model's pictures look.
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import statistics
@@ -18,21 +17,19 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.common import bench_parser, start_logging, tiny
+
 log = logging.getLogger("bench.controlnet_pipelined_quality")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--work", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
+    p = bench_parser(__doc__, size=64, steps=20)
     p.add_argument("--model", type=Path, help="diffusers SDXL folder (default: write a tiny one)")
     p.add_argument("--adapters", type=Path, help="adapter store (default: the tiny one's)")
     p.add_argument("--device", default="cpu")
-    p.add_argument("--size", type=int, default=64)
-    p.add_argument("--steps", type=int, default=20)
     p.add_argument("--seeds", type=int, default=4)
     args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    start_logging()
 
     from PIL import Image
 
@@ -46,15 +43,8 @@ def main() -> None:
     from backends.core.text_encoding import PromptEncoder
     from backends.core.vae_decoding import LatentDecoder
     from export.repository import ExportOptions, export_repository
-    from export.tiny import write_tiny_pipeline
-    from export.tiny_adapters import write_tiny_adapter_store
 
-    model = args.model
-    if model is None:
-        model = args.work / "tiny"
-        if not (model / "model_index.json").exists():
-            write_tiny_pipeline(model)
-            write_tiny_adapter_store(model)
+    model = args.model or tiny(args.work, adapters=True)
     store = AdapterStore(args.adapters or model / "adapters")
     dtype = "fp32" if args.device == "cpu" else "fp16"
     repo = export_repository(model, args.work / "repo", ExportOptions(

@@ -10,7 +10,6 @@ the measured per-step parts (serial: decoder half; parallel: encoder half and Co
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import io
 import json
@@ -20,6 +19,8 @@ import time
 from pathlib import Path
 
 import numpy as np
+
+from bench.common import bench_parser, random_sdxl, start_logging
 
 log = logging.getLogger("bench.controlnet_sdxl")
 NAMES = ("canny", "depth")
@@ -152,29 +153,22 @@ def gustafson(parts: dict[str, float], count: int) -> float:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--work", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--size", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=50)
+    p = bench_parser(__doc__, size=1024, steps=50)
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--gpus", type=int, default=2, help="2: ControlNets on their own GPU as well")
     p.add_argument("--skip-diffusers", action="store_true", help="no baseline (diagnostic runs only)")
     p.add_argument("--cuda-pool-gib", type=int, default=0,
                    help="Triton's CUDA memory pool per GPU; BLS tensors larger than the pool go through host memory")
     args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    start_logging()
 
     import torch
     from diffusers import UNet2DConditionModel
 
     from export.repository import ExportOptions, export_repository
-    from export.tiny import write_tiny_pipeline
     from export.tiny_adapters import write_tiny_controlnets
 
-    model, store = args.work / "sdxl-random", args.work / "adapters"
-    if not (model / "model_index.json").exists():
-        write_tiny_pipeline(model, seed=0, variant="sdxl", device="cuda", dtype="fp16")
+    model, store = random_sdxl(args.work), args.work / "adapters"
     if not (store / "controlnets" / NAMES[-1]).exists():
         unet = UNet2DConditionModel.from_pretrained(model / "unet", dtype=torch.float16).to("cuda")
         write_tiny_controlnets(store, unet, names=NAMES, embedding_channels=(16, 32, 96, 256))

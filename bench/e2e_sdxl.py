@@ -9,12 +9,13 @@ Writes a JSON report; prints a summary. Meant for a GPU machine:
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import statistics
 import time
 from pathlib import Path
+
+from bench.common import bench_parser, random_sdxl, start_logging
 
 log = logging.getLogger("bench.e2e_sdxl")
 
@@ -57,22 +58,16 @@ def time_server(repo: Path, size: int, steps: int, runs: int) -> tuple[list[floa
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--work", type=Path, required=True, help="folder for the model and repository")
-    p.add_argument("--out", type=Path, required=True, help="JSON report")
-    p.add_argument("--size", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=50)
+    p = bench_parser(__doc__, size=1024, steps=50)
     p.add_argument("--runs", type=int, default=3)
     args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    start_logging()
 
     from export.repository import ExportOptions, export_repository
-    from export.tiny import write_tiny_pipeline
 
-    model, repo = args.work / "sdxl-random", args.work / "repo"
+    repo = args.work / "repo"
     t0 = time.perf_counter()
-    if not (model / "model_index.json").exists():
-        write_tiny_pipeline(model, seed=0, variant="sdxl", device="cuda", dtype="fp16")
+    model = random_sdxl(args.work)
     t1 = time.perf_counter()
     export_repository(model, repo, ExportOptions(device="cuda", dtype="fp16", gpus=(0,), max_size=args.size))
     t2 = time.perf_counter()

@@ -8,25 +8,21 @@ Tiny random weights by default: the figures say how much the method moves an ima
 
 from __future__ import annotations
 
-import argparse
 import json
 import logging
 import statistics
-from pathlib import Path
+
+from bench.common import bench_parser, start_logging, tiny
 
 log = logging.getLogger("bench.lora_bound_quality")
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--work", type=Path, required=True)
-    p.add_argument("--out", type=Path, required=True)
-    p.add_argument("--steps", type=int, default=20)
-    p.add_argument("--size", type=int, default=64)
+    p = bench_parser(__doc__, size=64, steps=20)
     p.add_argument("--seeds", type=int, default=4)
     p.add_argument("--bounds", type=int, nargs="+", default=[1, 2, 4, 8])
     args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    start_logging()
 
     from backends.core.adapter_store import AdapterStore
     from backends.core.denoise_engine import DenoiseJob, TorchDenoiser
@@ -37,13 +33,8 @@ def main() -> None:
     from backends.core.text_encoding import PromptEncoder
     from backends.core.vae_decoding import LatentDecoder
     from export.repository import ExportOptions, export_repository
-    from export.tiny import write_tiny_pipeline
-    from export.tiny_adapters import write_tiny_adapter_store
 
-    model = args.work / "tiny"
-    if not (model / "model_index.json").exists():
-        write_tiny_pipeline(model)
-        write_tiny_adapter_store(model)
+    model = tiny(args.work, adapters=True)
     store = AdapterStore(model / "adapters")
     repo = export_repository(model, args.work / "repo", ExportOptions())
     engine = TorchDenoiser(repo / "denoiser" / "1", Placement())

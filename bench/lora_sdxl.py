@@ -22,7 +22,6 @@ tail, and the run goes on.
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import logging
@@ -31,6 +30,8 @@ import re
 import statistics
 import time
 from pathlib import Path
+
+from bench.common import bench_parser, random_sdxl, start_logging, tiny
 
 log = logging.getLogger("bench.lora_sdxl")
 
@@ -358,11 +359,7 @@ def write(report: dict, out: Path) -> None:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--work", type=Path, required=True, help="folder for the model, LoRAs and repositories")
-    p.add_argument("--out", type=Path, required=True, help="JSON report")
-    p.add_argument("--size", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=50)
+    p = bench_parser(__doc__, size=1024, steps=50, work_help="folder for the model, LoRAs and repositories")
     p.add_argument("--runs", type=int, default=3, help="timed requests per LoRA count")
     p.add_argument("--bounds", type=int, nargs="+", default=None,
                    help="lora_bound_steps per exported repository (0: exact, the request waits); default 0 10")
@@ -374,32 +371,21 @@ def main() -> None:
     p.add_argument("--cpu-smoke", action="store_true",
                    help="the whole path on CPU: tiny pipeline, ~0.3 MB LoRAs, 64 px, 4 steps, 1 run, bounds 0 2")
     args = p.parse_args()
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    start_logging()
 
     from export.repository import ExportOptions, export_repository
-    from export.tiny import write_tiny_pipeline
 
     if args.cpu_smoke:
         setup = Setup("cpu", "fp32", 64, 4, 1)
         lora_mib = args.lora_mib or [0.25, 0.4]
-        # below the 4 steps: with a bound at or past the last step, a request whose LoRAs are
-        # still loading finishes without them (the scheduler never holds it)
         bounds = args.bounds or [0, 2]
     else:
         setup = Setup("cuda", "fp16", args.size, args.steps, args.runs)
         lora_mib = args.lora_mib or [340.0, 460.0]
         bounds = args.bounds or [0, 10]
-    for bound in bounds:
-        if bound >= setup.steps:
-            log.warning("bound %d >= %d steps: a request may finish before its LoRAs are merged", bound, setup.steps)
 
     t0 = time.perf_counter()
-    model, store = args.work / ("tiny" if args.cpu_smoke else "sdxl-random"), args.work / "adapters"
-    if not (model / "model_index.json").exists():
-        if args.cpu_smoke:
-            write_tiny_pipeline(model, seed=0)
-        else:
-            write_tiny_pipeline(model, seed=0, variant="sdxl", device="cuda", dtype="fp16")
+    model, store = tiny(args.work) if args.cpu_smoke else random_sdxl(args.work), args.work / "adapters"
     t1 = time.perf_counter()
     loras = write_loras(store, model / "unet", lora_mib, args.lora_std, setup.device)
     t2 = time.perf_counter()

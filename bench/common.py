@@ -1,0 +1,46 @@
+"""What the benchmarks share: their command line and the models they run, written once under
+their --work folder (no model hub here: the weights are random, the shapes real)."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from pathlib import Path
+
+
+def bench_parser(doc: str, size: int, steps: int, work_help: str = "folder for the models and repositories"
+                 ) -> argparse.ArgumentParser:
+    """--work, --out, --size, --steps; the caller adds its own."""
+    p = argparse.ArgumentParser(description=doc.splitlines()[0])
+    p.add_argument("--work", type=Path, required=True, help=work_help)
+    p.add_argument("--out", type=Path, required=True, help="JSON report")
+    p.add_argument("--size", type=int, default=size)
+    p.add_argument("--steps", type=int, default=steps)
+    return p
+
+
+def start_logging() -> None:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+
+
+def random_sdxl(work: Path) -> Path:
+    """SDXL base's architecture with random fp16 weights, drawn on the GPU (seconds, not minutes)."""
+    from export.tiny import write_tiny_pipeline
+
+    model = work / "sdxl-random"
+    if not (model / "model_index.json").exists():
+        write_tiny_pipeline(model, seed=0, variant="sdxl", device="cuda", dtype="fp16")
+    return model
+
+
+def tiny(work: Path, adapters: bool = False) -> Path:
+    """The tiny test pipeline, with its tiny adapter store in `<model>/adapters` if asked."""
+    from export.tiny import write_tiny_pipeline
+    from export.tiny_adapters import write_tiny_adapter_store
+
+    model = work / "tiny"
+    if not (model / "model_index.json").exists():
+        write_tiny_pipeline(model, seed=0)
+    if adapters and not (model / "adapters").exists():
+        write_tiny_adapter_store(model)
+    return model
