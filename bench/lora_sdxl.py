@@ -14,7 +14,7 @@ needed for clean pages), so each load reads the file from the disk. The goal (is
 overhead below 5% of the 0C/0L latency; KATZ reports ~230 ms of loading and patching.
 
 The lent GPU hosts drift by seconds between requests, so each run sends 0L, 1L and 2L back to
-back; the report gives medians, medians of each run's difference to its own 0L request, and the
+back, in an order rotated from run to run; the report gives medians, medians of each run's difference to its own 0L request, and the
 server's own account of the LoRAs' critical path (time held at the bound + GPU time of the merge,
 from `info` and the Prometheus counters). A failed request is recorded with the server log's
 tail, and the run goes on.
@@ -166,6 +166,13 @@ def read_speeds(path: str) -> dict[str, float]:
 # --- the requests --------------------------------------------------------------------------
 
 
+def run_order(run: int) -> tuple[int, ...]:
+    """The LoRA counts of one run, back to back, rotated by run: the host drifts by seconds over
+    a run, and a fixed order would charge a steady drift to the counts sent last."""
+    shift = run % len(COUNTS)
+    return COUNTS[shift:] + COUNTS[:shift]
+
+
 def lora_set(loras: list[dict], count: int, run: int) -> list[dict]:
     """The LoRAs of request `run` with `count` LoRAs: one request alternates between the two files
     (both sizes are measured), two takes both."""
@@ -194,10 +201,10 @@ def time_easel(repo: Path, loras: list[dict], setup: Setup, scale: float) -> dic
                                          "queue_s": info.get("queue_s"), "stages_s": info["stages_s"]}
             log.info("first LoRA request (not in the medians): e2e %.3fs, stages %s",
                      out["first_lora_request"]["e2e_s"], {k: round(v, 3) for k, v in info["stages_s"].items()})
-            # Counts interleaved within each run (0L, 1L, 2L back to back), so that the host's
-            # drifts (seconds, on the lent machines) fall on all three alike and pair up.
+            # Counts interleaved within each run, so that the host's drifts (seconds, on the lent
+            # machines) fall on all three alike and pair up.
             for run in range(setup.runs):
-                for count in COUNTS:
+                for count in run_order(run):
                     names = [x["name"] for x in lora_set(loras, count, run)]
                     extra = dict(loras=names, lora_scales=[scale] * count) if count else {}
                     drop_cache(paths)
@@ -276,8 +283,8 @@ def time_diffusers(model: Path, loras: list[dict], setup: Setup, scale: float) -
     # As for Easel: the first LoRA request (peft's imports, first allocations) on its own, then
     # the counts interleaved within each run.
     plan = [("first_lora_request", [loras[0]], 99)] + [
-        (f"{count}L", lora_set(loras, count, run), run) for run in range(setup.runs) for count in COUNTS]
-    for label, chosen, seed in plan:
+        (f"{count}L", lora_set(loras, count, run), run) for run in range(setup.runs) for count in run_order(run)]
+    for label, chosen, run in plan:  # (the run number seeds its request)
         count, names = len(chosen), [x["name"] for x in chosen]
         drop_cache(paths)
         sync()
@@ -292,15 +299,15 @@ def time_diffusers(model: Path, loras: list[dict], setup: Setup, scale: float) -
         sync()
         t2 = time.perf_counter()
         pipe(PROMPT, width=setup.size, height=setup.size, num_inference_steps=setup.steps,
-             generator=torch.Generator("cpu").manual_seed(seed))
+             generator=torch.Generator("cpu").manual_seed(run))
         sync()
         t3 = time.perf_counter()
         if count:
             pipe.unfuse_lora()
             pipe.unload_lora_weights()
         sync()
-        row = {"loras": names, "e2e_s": t3 - t0, "load_s": t1 - t0, "fuse_s": t2 - t1, "generate_s": t3 - t2,
-               "unfuse_unload_s": time.perf_counter() - t3}
+        row = {"run": run, "loras": names, "e2e_s": t3 - t0, "load_s": t1 - t0, "fuse_s": t2 - t1,
+               "generate_s": t3 - t2, "unfuse_unload_s": time.perf_counter() - t3}
         if label == "first_lora_request":
             out[label] = row
         else:
@@ -333,11 +340,10 @@ def summarize(report: dict) -> dict[str, dict]:
             entry[f"{count}L_s"] = value
             entry[f"{count}L_overhead_s"] = value - base
             entry[f"{count}L_overhead_pct"] = 100 * (value - base) / base
-            # Each run's request against the 0L request of the same run, which ran just before it:
-            # less exposed to the host's drifts than the difference of medians.
-            base_of = {r.get("run", i): r["e2e_s"] for i, r in enumerate(rows["0L"]["runs"])}
-            paired = [r["e2e_s"] - base_of[r.get("run", i)] for i, r in enumerate(rows[f"{count}L"]["runs"])
-                      if r.get("run", i) in base_of]
+            # Each run's request against the 0L request of the same run, sent next to it: less
+            # exposed to the host's drifts than the difference of medians.
+            base_of = {r["run"]: r["e2e_s"] for r in rows["0L"]["runs"]}
+            paired = [r["e2e_s"] - base_of[r["run"]] for r in rows[f"{count}L"]["runs"] if r["run"] in base_of]
             entry[f"{count}L_paired_overhead_s"] = med(paired)
             entry[f"{count}L_paired_overhead_pct"] = 100 * med(paired) / base
             entry[f"{count}L_below_5pct"] = med(paired) < 0.05 * base  # the goal
