@@ -115,6 +115,7 @@ class TorchDenoiser:
         rows = 2 if p.cfg else 1
         if job.prompt_embeds.shape[0] != rows or job.pooled_embeds.shape[0] != rows:
             raise ValueError(f"expected {rows} rows of text embeddings, got {job.prompt_embeds.shape[0]}")
+        self.adopt_loras(job.loras)  # (LoRAs given up front; those still loading are adopted on arrival)
         sched = make_scheduler(p.scheduler, self.base_scheduler)
         sched.set_timesteps(p.steps, device=self.device)
         if hasattr(sched, "set_begin_index"):
@@ -184,17 +185,26 @@ class TorchDenoiser:
         return failed
 
     def adopt_loras(self, loras: LoraSet) -> LoraSet:
-        """LoRA tensors put on the GPU by a loader thread's stream, read on ours from now on."""
+        """LoRAs that arrived for a request, checked against the UNet (InvalidInput naming the
+        layer that does not fit) and, put on the GPU by a loader thread's stream, read on ours
+        from now on."""
+        for lora, _ in loras:
+            self.lora_merger.layers.check(lora)
         self._adopt(t for lora, _ in loras for layer in lora.unet.values() for t in (layer.down, layer.up))
         return loras
 
     def _adopt(self, tensors) -> None:
         """Tensors allocated on another thread's stream and read on ours: the allocator must not
-        reuse their memory before our stream is done with them."""
-        if self.stream is not None:
-            for tensor in tensors:
-                if tensor.is_cuda:
-                    tensor.record_stream(self.stream)
+        reuse their memory before our stream is done with them. It tracks memory by block, and a
+        LoRA's hundreds of tensors are views of one buffer: one call per buffer does."""
+        if self.stream is None:
+            return
+        blocks = {}
+        for tensor in tensors:
+            if tensor.is_cuda:
+                blocks.setdefault(tensor.untyped_storage().data_ptr(), tensor)
+        for tensor in blocks.values():
+            tensor.record_stream(self.stream)
 
     def _loras(self, states):
         """Merge the batch's LoRA set when all its requests share one (restoring the base weights
@@ -213,7 +223,7 @@ class TorchDenoiser:
         for s in states:
             segments.append((slice(row, row + s.rows), s.job.loras))
             row += s.rows
-        return UnmergedLoras(self.unet, segments)
+        return UnmergedLoras(self.lora_merger.layers, segments)
 
     def _submit_controls(self, states, sample, timestep):
         """Every ControlNet call of this step whose guidance window is open, per request, in order."""

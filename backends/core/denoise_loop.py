@@ -131,13 +131,13 @@ class DenoiseLoop:
             if future is None or not future.done():
                 continue
             state.job.loras_pending = None
-            error = future.exception()
-            if error is not None:
-                seq = self.scheduler.abort(rid, Status.FAILED, str(error))
+            try:
+                state.job.loras = self.engine.adopt_loras(future.result())
+            except Exception as exc:  # unreadable, or does not fit the UNet: this request only
+                seq = self.scheduler.abort(rid, Status.FAILED, str(exc))
                 if seq is not None:
                     self._finish(seq)
                 continue
-            state.job.loras = self.engine.adopt_loras(future.result())
             state.lora_step = state.index
             seq = self.scheduler.find(rid)
             if seq is not None:

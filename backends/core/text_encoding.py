@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from .adapter_store import AdapterStore
-from .lora import TEXT_ENCODERS, LoraSet, LoraWeights, UnmergedLoras, load_lora
+from .lora import TEXT_ENCODERS, LoraSet, LoraWeights, ModelLayers, UnmergedLoras, load_lora
 from .placement import Placement
 from .params import GenerateParams, InvalidInput, LoraParams
 
@@ -80,6 +80,7 @@ class PromptEncoder:
         ]
         for enc in self.encoders:
             enc.to(self.device).eval()
+        self.layers = [ModelLayers(enc) for enc in self.encoders]  # what a LoRA's text-encoder layers may change
         options = json.loads((folder / OPTIONS_FILE).read_text())
         self.force_zeros_for_empty_prompt = bool(options["force_zeros_for_empty_prompt"])
         self.loras = TextEncoderLoras(store)
@@ -101,8 +102,8 @@ class PromptEncoder:
     def encode(self, params: GenerateParams) -> tuple[np.ndarray, np.ndarray]:
         loras = self.loras.get(params.loras)
         with ExitStack() as hooks:  # removed on the way out, whatever happens
-            for component, encoder in zip(TEXT_ENCODERS, self.encoders):
-                hooks.enter_context(UnmergedLoras(encoder, [(slice(None), loras)], component))
+            for component, layers in zip(TEXT_ENCODERS, self.layers):
+                hooks.enter_context(UnmergedLoras(layers, [(slice(None), loras)], component))
             return self._encode_params(params)
 
     def _encode_params(self, params: GenerateParams) -> tuple[np.ndarray, np.ndarray]:

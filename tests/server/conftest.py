@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import shutil
 
 import pytest
+import torch
+from safetensors.torch import load_file, save_file
 
 from clients.client import EaselClient
 from clients.serve import TritonServer, scrape_metrics
@@ -32,6 +35,47 @@ def server(tiny_model, tiny_repo):
     srv.wait_ready()
     yield srv
     srv.stop()
+
+
+@pytest.fixture(scope="session")
+def shared(tiny_model, tmp_path_factory):
+    """A second server: two CPU denoisers sharing one ControlNet service, on a copy of the tiny
+    store with broken adapters added (tests/server/test_controlnet_service.py, test_lora.py)."""
+    root = tmp_path_factory.mktemp("shared")
+    store = root / "adapters"
+    shutil.copytree(tiny_model / "adapters", store)
+    broken = store / "controlnets" / "broken"
+    shutil.copytree(store / "controlnets" / "canny", broken)
+    weights = broken / "diffusion_pytorch_model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:1000])  # truncated
+    write_broken_loras(store / "loras", root / "outside")
+    options = dataclasses.replace(OPTIONS, adapters=str(store), cpu_denoisers=2)
+    export_repository(tiny_model, root / "repo", options)
+    srv = TritonServer(root / "repo", http_port=0, grpc_port=0, metrics_port=0, ready_timeout=300).start()
+    srv.wait_ready()
+    yield srv
+    srv.stop()
+
+
+# papercut's first layer, as named in its (diffusers/PEFT) file
+PAPERCUT_LAYER = "unet.down_blocks.1.attentions.0.transformer_blocks.0.attn1.to_k"
+
+
+def write_broken_loras(loras, outside):
+    """LoRAs that must fail their request alone: a layer a column too wide for the UNet, a layer
+    the UNet does not have, a truncated file; a pickle and a symlink out of the store, which the
+    store never indexes."""
+    papercut = load_file(loras / "papercut.safetensors")
+    down = papercut[f"{PAPERCUT_LAYER}.lora_A.weight"]
+    save_file({**papercut, f"{PAPERCUT_LAYER}.lora_A.weight": torch.ones(down.shape[0], down.shape[1] + 1)},
+              loras / "misfit.safetensors")
+    save_file({k.replace("attentions.0.", "attentions.7."): v for k, v in papercut.items()},
+              loras / "absent.safetensors")
+    (loras / "truncated.safetensors").write_bytes((loras / "papercut.safetensors").read_bytes()[:5000])
+    (loras / "pickled.ckpt").write_bytes(b"\x80\x04K\x01.")  # pickle.dumps(1): must never be opened
+    outside.mkdir()
+    shutil.copy(loras / "papercut.safetensors", outside / "papercut.safetensors")
+    (loras / "escape.safetensors").symlink_to(outside / "papercut.safetensors")
 
 
 @pytest.fixture(params=["http", "grpc"])

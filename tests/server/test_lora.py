@@ -6,8 +6,10 @@ request alone."""
 from __future__ import annotations
 
 import os
+import re
 import signal
 import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -15,8 +17,9 @@ import pytest
 import torch
 from diffusers import StableDiffusionXLPipeline
 
-from clients.client import EaselError
+from clients.client import EaselClient, EaselError
 from tests.reference import max_abs_diff
+from tests.server.conftest import PAPERCUT_LAYER
 from tests.server.test_controlnet import png
 from tests.server.test_exact import TOLERANCE, pixels
 
@@ -57,6 +60,34 @@ def test_bad_lora_inputs_fail_alone(http_client, loras, scales, expected):
         http_client.generate("a fox", seed=1, steps=2, width=64, height=64, loras=loras, lora_scales=scales)
     assert expected in str(err.value)
     assert http_client.generate("a fox", seed=1, steps=2, width=64, height=64).image().size == (64, 64)
+
+
+LAYER = PAPERCUT_LAYER.removeprefix("unet.")
+
+
+@pytest.mark.parametrize("name, expected", [
+    ("misfit", re.escape(f"loras: 'misfit': layer {LAYER} is (32, 33), the base model's is (32, 32)")),
+    ("absent", r"loras: 'absent': layer down_blocks\.1\.attentions\.7\.\S+ does not exist in the base model"),
+    ("truncated", "loras: 'truncated' cannot be read as a LoRA"),
+    ("pickled", "loras: unknown LoRA 'pickled'"),
+    ("escape", "loras: unknown LoRA 'escape'"),
+])
+def test_broken_lora_fails_its_request_alone(shared, name, expected):
+    """Sent while a good LoRA request runs: the broken one fails with its reason, the good one is
+    untouched, the server stays ready and no segment is left in /dev/shm."""
+    def good():
+        with EaselClient(shared.url_http) as c:
+            return pixels(c.generate("a fox", seed=4, steps=8, width=64, height=64, loras=("papercut",)))
+
+    alone = good()
+    with ThreadPoolExecutor(max_workers=1) as pool, EaselClient(shared.url_http) as c:
+        beside = pool.submit(good)
+        with pytest.raises(EaselError, match=expected):
+            c.generate("a fox", seed=1, steps=8, width=64, height=64, loras=("inkwash", name))
+        assert np.array_equal(beside.result(), alone)
+        assert c.is_ready()
+    stubs = _children(shared.proc.pid)
+    assert not [n for n in os.listdir("/dev/shm") for stub in stubs if n.startswith(f"easel-lora-{stub}-")]
 
 
 def test_lora_with_controlnet_matches_diffusers(http_client, tiny_model):
