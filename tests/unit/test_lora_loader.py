@@ -4,6 +4,8 @@ bit for bit; a bad file or a dying loader fails its request alone, and nothing i
 from __future__ import annotations
 
 import os
+import sys
+import threading
 import time
 from pathlib import Path
 
@@ -11,7 +13,7 @@ import pytest
 import torch
 
 from backends.core.lora import LoraLayer, LoraWeights, load_lora
-from backends.core.lora_loader import SEGMENT_PREFIX, SHM_DIR, LoraLoaderDied, LoraLoaderPool
+from backends.core.lora_loader import LOADER_NICENESS, SEGMENT_PREFIX, SHM_DIR, LoraLoaderDied, LoraLoaderPool
 from backends.core.params import InvalidInput
 
 TIMEOUT = 120  # spawned workers import torch and diffusers first: slow on two busy cores
@@ -211,3 +213,18 @@ def test_wait_started_returns_once_the_workers_imported_what_loading_needs():
         assert pool.wait_started(TIMEOUT) and time.perf_counter() - start < 0.5  # already started
     finally:
         pool.shutdown()
+
+
+def _niceness(stat: str) -> int:
+    return int(Path(stat).read_text().rsplit(")", 1)[1].split()[16])  # field 19 of proc(5)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="per-thread niceness is Linux's")
+def test_loaders_and_feeders_yield_the_cpu_to_the_step_loop(pool, loras):
+    pool.submit([(name, path, 1.0) for name, path in loras.items()]).result(TIMEOUT)  # workers started
+    here = os.getpriority(os.PRIO_PROCESS, 0)
+    assert [_niceness(f"/proc/{pid}/stat") for pid in pool.pids()] == [here + LOADER_NICENESS] * 2
+    feeders = [t.native_id for t in threading.enumerate() if t.name.startswith("easel-lora-feeder-")]
+    assert len(feeders) >= 2
+    assert all(_niceness(f"/proc/self/task/{tid}/stat") == here + LOADER_NICENESS for tid in feeders)
+    assert _niceness(f"/proc/self/task/{threading.get_native_id()}/stat") == here  # the caller's thread is not
