@@ -65,7 +65,10 @@ def main() -> None:
     class StepTimedDenoiser(TorchDenoiser):
         """Notes when each step has finished (on a GPU the loop waits for every step anyway:
         the scheduler's step compares a device sigma with Python floats)."""
-        ends: list[float] = []
+
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.ends: list[float] = []
 
         def step(self, states):
             failed = super().step(states)

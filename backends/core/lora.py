@@ -157,7 +157,7 @@ def _text_encoder_layers(name: str, state: dict, alphas: dict | None, prefix: st
 class ModelLayers:
     """A model's weighted layers by module path, indexed once. An SDXL LoRA names hundreds of
     layers and the step loop checks them when a LoRA arrives (and a mixed batch on every step):
-    one dict lookup each instead of a walk down the module tree (30 ms for two LoRAs)."""
+    one dict lookup each instead of a walk down the module tree (30 ms for two, on a CPU here)."""
 
     def __init__(self, model: torch.nn.Module):
         self.modules = {name: module for name, module in model.named_modules()
