@@ -89,9 +89,7 @@ class DenoiseLoop:
             for seq in self.scheduler.update(plan, output):
                 self._finish(seq)
         for rid in list(self.states):
-            seq = self.scheduler.abort(rid, Status.FAILED, "the denoiser is shutting down")
-            if seq is not None:
-                self._finish(seq)
+            self._abort(rid, Status.FAILED, "the denoiser is shutting down")
 
     def _drain(self, block: bool) -> None:
         while True:
@@ -134,9 +132,7 @@ class DenoiseLoop:
             try:
                 state.job.loras = self.engine.adopt_loras(future.result())
             except Exception as exc:  # unreadable, or does not fit the UNet: this request only
-                seq = self.scheduler.abort(rid, Status.FAILED, str(exc))
-                if seq is not None:
-                    self._finish(seq)
+                self._abort(rid, Status.FAILED, str(exc))
                 continue
             state.lora_step = state.index
             seq = self.scheduler.find(rid)
@@ -146,9 +142,12 @@ class DenoiseLoop:
     def _reap_cancelled(self) -> None:
         for rid, state in list(self.states.items()):
             if state.job.is_cancelled():
-                seq = self.scheduler.abort(rid, Status.CANCELLED, "cancelled by the client")
-                if seq is not None:
-                    self._finish(seq)
+                self._abort(rid, Status.CANCELLED, "cancelled by the client")
+
+    def _abort(self, rid: str, status: Status, why: str) -> None:
+        seq = self.scheduler.abort(rid, status, why)
+        if seq is not None:
+            self._finish(seq)
 
     def _finish(self, seq: SeqState) -> None:
         state = self.states.pop(seq.request_id)

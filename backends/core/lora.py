@@ -184,8 +184,8 @@ class LoraMerger:
     events, read once they have completed, so nothing waits for them), wall time on a CPU."""
 
     def __init__(self, model: torch.nn.Module):
-        self.model = model
         self.layers = ModelLayers(model)
+        self._cuda = any(w.is_cuda for w in model.parameters())  # how merges are timed
         self._saved: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # module -> (weight, its original)
         self._seconds = 0.0
         self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
@@ -236,8 +236,7 @@ class LoraMerger:
 
     @contextmanager
     def _timed(self):
-        weight = next(self.model.parameters(), None)
-        if weight is None or not weight.is_cuda:
+        if not self._cuda:
             start = time.perf_counter()
             try:
                 yield

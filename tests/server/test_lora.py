@@ -86,8 +86,7 @@ def test_broken_lora_fails_its_request_alone(shared, name, expected):
             c.generate("a fox", seed=1, steps=8, width=64, height=64, loras=("inkwash", name))
         assert np.array_equal(beside.result(), alone)
         assert c.is_ready()
-    stubs = _children(shared.proc.pid)
-    assert not [n for n in os.listdir("/dev/shm") for stub in stubs if n.startswith(f"easel-lora-{stub}-")]
+    assert not _segments_left(shared)
 
 
 def test_lora_with_controlnet_matches_diffusers(http_client, tiny_model):
@@ -153,6 +152,12 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _segments_left(server) -> list[str]:
+    """LoRA segments in /dev/shm owned by the server's denoisers (named after their stub's pid)."""
+    stubs = _children(server.proc.pid)
+    return [n for n in os.listdir("/dev/shm") for stub in stubs if n.startswith(f"easel-lora-{stub}-")]
+
+
 def test_killed_lora_loaders_are_replaced(server, http_client):
     """The denoiser's LoRA loader processes (children of its stub running spawn_main) killed with SIGKILL: the
     next LoRA request still succeeds, the server stays ready, no segment is left in /dev/shm."""
@@ -171,4 +176,4 @@ def test_killed_lora_loaders_are_replaced(server, http_client):
     assert server.is_ready()
     fresh = [p for stub in stubs for p in _children(stub) if "spawn_main" in _cmdline(p)]
     assert len(fresh) == len(loaders) and not set(fresh) & set(loaders)
-    assert not [n for n in os.listdir("/dev/shm") for stub in stubs if n.startswith(f"easel-lora-{stub}-")]
+    assert not _segments_left(server)
