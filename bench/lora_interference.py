@@ -126,9 +126,9 @@ def main() -> None:
     med = statistics.median
     alone = [r for r in rows if not r["with_loads"]]
     loaded = [r for r in rows if r["with_loads"]]
-    excess = med(r["excess_ms"] for r in loaded) - med(r["excess_ms"] for r in alone)
-    summary = {"alone_excess_ms": med(r["excess_ms"] for r in alone),
-               "loads_excess_ms": med(r["excess_ms"] for r in loaded),
+    alone_excess, loads_excess = med(r["excess_ms"] for r in alone), med(r["excess_ms"] for r in loaded)
+    excess = loads_excess - alone_excess
+    summary = {"alone_excess_ms": alone_excess, "loads_excess_ms": loads_excess,
                "interference_ms_per_step": excess, "interference_s": excess * args.window / 1000,
                "step_ms_alone": med(r["after_ms"] for r in alone),
                "denoise_s": {"alone": med(r["denoise_s"] for r in alone), "loads": med(r["denoise_s"] for r in loaded)}}
