@@ -19,9 +19,9 @@ import torch
 import triton_python_backend_utils as pb_utils
 from torch.utils.dlpack import from_dlpack, to_dlpack
 
-from backends.core.adapter_store import AdapterStore
-from backends.core.contract import ModelDecl
-from backends.core.controlnet import ControlCall, Residuals
+from backends.core.adapters.store import AdapterStore
+from backends.core.request.contract import ModelDecl
+from backends.core.adapters.controlnet import ControlCall, Residuals
 
 
 def to_triton(name: str, tensor: torch.Tensor):

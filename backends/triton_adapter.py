@@ -13,9 +13,9 @@ from typing import Any
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backends.core.placement import Placement
-from backends.core.contract import ModelDecl
-from backends.core.params import GenerateParams, InvalidInput
+from backends.core.runtime.placement import Placement
+from backends.core.request.contract import ModelDecl
+from backends.core.request.params import GenerateParams, InvalidInput
 
 
 class TritonLogHandler(logging.Handler):

@@ -107,7 +107,7 @@ def step_parts(model: Path, store: Path, size: int) -> dict[str, float]:
     import torch
     from diffusers import ControlNetModel, UNet2DConditionModel
 
-    from backends.core.unet_split import split_unet
+    from backends.core.runtime.unet_split import split_unet
 
     unet = UNet2DConditionModel.from_pretrained(model / "unet", dtype=torch.float16).to("cuda").eval()
     cn = ControlNetModel.from_pretrained(store / "controlnets" / NAMES[0], dtype=torch.float16).to("cuda").eval()

@@ -24,14 +24,14 @@ def main() -> None:
     args = p.parse_args()
     start_logging()
 
-    from backends.core.adapter_store import AdapterStore
-    from backends.core.denoise_engine import DenoiseJob, TorchDenoiser
-    from backends.core.image_metrics import psnr, ssim
-    from backends.core.lora import load_lora
-    from backends.core.params import Limits, validate
-    from backends.core.placement import Placement
-    from backends.core.text_encoding import PromptEncoder
-    from backends.core.vae_decoding import LatentDecoder
+    from backends.core.adapters.store import AdapterStore
+    from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+    from backends.core.stages.image_metrics import psnr, ssim
+    from backends.core.adapters.lora import load_lora
+    from backends.core.request.params import Limits, validate
+    from backends.core.runtime.placement import Placement
+    from backends.core.stages.text_encoding import PromptEncoder
+    from backends.core.stages.vae_decoding import LatentDecoder
     from export.repository import ExportOptions, export_repository
 
     model = tiny(args.work, adapters=True)

@@ -40,11 +40,11 @@ def main() -> None:
 
     import torch
 
-    from backends.core.denoise_engine import DenoiseJob, TorchDenoiser
-    from backends.core.denoise_loop import DenoiseLoop
-    from backends.core.lora_loader import LoraLoaderPool
-    from backends.core.params import Limits, validate
-    from backends.core.placement import Placement
+    from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+    from backends.core.engine.loop import DenoiseLoop
+    from backends.core.adapters.lora_loader import LoraLoaderPool
+    from backends.core.request.params import Limits, validate
+    from backends.core.runtime.placement import Placement
     from export.repository import ExportOptions, export_repository
 
     if args.cpu_smoke:

@@ -26,8 +26,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from backends.core import specs
-from backends.core.specs import ComponentSpec
+from backends.core.runtime import specs
+from backends.core.runtime.specs import ComponentSpec
 
 log = logging.getLogger(__name__)
 
@@ -158,7 +158,7 @@ Graph = tuple[nn.Module, ComponentSpec]
 
 def unet_graphs(unet) -> dict[str, Graph]:
     """The UNet's two halves: unet_encoder and unet_decoder."""
-    from backends.core.unet_split import split_unet
+    from backends.core.runtime.unet_split import split_unet
 
     encoder, decoder = split_unet(_fp32(unet))
     return {"unet_encoder": (EncoderGraph(encoder), specs.unet_encoder_spec(unet.config)),

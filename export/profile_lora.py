@@ -18,13 +18,13 @@ from pathlib import Path
 
 import torch
 
-from backends.core.lora import BOUNDS_FILE
+from backends.core.adapters.lora import BOUNDS_FILE
 
 log = logging.getLogger(__name__)
 
 
 def latents_per_step(engine, encoder, params, loras) -> list[torch.Tensor]:
-    from backends.core.denoise_engine import DenoiseJob
+    from backends.core.engine.denoiser import DenoiseJob
 
     embeds, pooled = encoder.encode(params)
     state = engine.start(DenoiseJob("profile", params, embeds, pooled, loras=loras))
@@ -44,12 +44,12 @@ def first_divergent_step(with_lora: list[torch.Tensor], without: list[torch.Tens
 
 def profile_loras(repo: str | Path, names: list[str] | None = None, steps: int = 30, size: int | None = None,
                   seeds: int = 2, threshold: float = 0.99) -> dict[str, int]:
-    from backends.core.adapter_store import AdapterStore
-    from backends.core.denoise_engine import TorchDenoiser
-    from backends.core.lora import load_lora
-    from backends.core.params import Limits, LoraParams, validate
-    from backends.core.placement import Placement
-    from backends.core.text_encoding import PromptEncoder
+    from backends.core.adapters.store import AdapterStore
+    from backends.core.engine.denoiser import TorchDenoiser
+    from backends.core.adapters.lora import load_lora
+    from backends.core.request.params import Limits, LoraParams, validate
+    from backends.core.runtime.placement import Placement
+    from backends.core.stages.text_encoding import PromptEncoder
     from export.triton_config import read_parameters
 
     repo = Path(repo)

@@ -2,7 +2,7 @@
 
 Loads the pipeline with diffusers' own loaders (safetensors only), splits the UNet at the mid
 block, writes each component's artifacts where its Triton model reads them
-(backends/core/artifacts.py) and every config.pbtxt (export/triton_config.py).
+(backends/core/runtime/artifacts.py) and every config.pbtxt (export/triton_config.py).
 """
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ import shutil
 from dataclasses import dataclass
 from pathlib import Path
 
-from backends.core import contract
-from backends.core.artifacts import DECODER_FILE, ENCODER_FILE, UNET_DIR
-from backends.core.placement import DTYPE_NAMES, Placement
-from backends.core.denoise_engine import VAE_SCALE_FACTOR_FILE
-from backends.core.params import Limits
-from backends.core.text_encoding import OPTIONS_FILE
+from backends.core.request import contract
+from backends.core.runtime.artifacts import DECODER_FILE, ENCODER_FILE, UNET_DIR
+from backends.core.runtime.placement import DTYPE_NAMES, Placement
+from backends.core.engine.denoiser import VAE_SCALE_FACTOR_FILE
+from backends.core.request.params import Limits
+from backends.core.stages.text_encoding import OPTIONS_FILE
 
 from .triton_config import Instances, ensemble, python_model
 
@@ -49,7 +49,7 @@ class ExportOptions:
     controlnet_gpus: tuple[int, ...] | None = None  # the service's GPUs; default: the denoisers'
     controlnet_instances: int = 2  # per GPU (or on CPU): ControlNets that run at once
     controlnet_cache_gib: float = 16.0  # resident ControlNets per instance
-    controlnet_mode: str = "sync"  # or "pipelined" (approximate; see backends/core/denoise_engine.py)
+    controlnet_mode: str = "sync"  # or "pipelined" (approximate; see backends/core/engine/denoiser.py)
     onnx: bool = False  # also write <model>/1/onnx/<component>.onnx (export/onnx_export.py)
 
     def __post_init__(self):
@@ -94,7 +94,7 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
     from diffusers import StableDiffusionXLPipeline
     from safetensors.torch import save_file
 
-    from backends.core.unet_split import num_skips, split_unet
+    from backends.core.runtime.unet_split import num_skips, split_unet
 
     model_dir, repo = Path(model_dir), Path(out_dir)
     repo.mkdir(parents=True, exist_ok=True)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from backends.core.adapter_store import CONTROLNET_DIR, LORA_DIR
+from backends.core.adapters.store import CONTROLNET_DIR, LORA_DIR
 
 log = logging.getLogger(__name__)
 

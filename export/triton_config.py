@@ -1,10 +1,10 @@
-"""config.pbtxt text for each model of the repository, from the declarations in backends.core.contract."""
+"""config.pbtxt text for each model of the repository, from the declarations in backends.core.request.contract."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from backends.core.contract import PIPELINE, PUBLIC, ModelDecl, TensorDecl
+from backends.core.request.contract import PIPELINE, PUBLIC, ModelDecl, TensorDecl
 
 
 @dataclass(frozen=True)

@@ -9,7 +9,7 @@ import torch
 from diffusers import (DDIMScheduler, DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler,
                        EulerDiscreteScheduler, StableDiffusionXLPipeline)
 
-# Written independently of backends/core/schedulers.py on purpose: this is what users would do.
+# Written independently of backends/core/engine/diffusers_schedulers.py on purpose: this is what users would do.
 SCHEDULERS = {
     "default": None,
     "euler": lambda cfg: EulerDiscreteScheduler.from_config(cfg),

@@ -2,7 +2,7 @@
 
 Its own model with its own instance_group, so ControlNets are placed independently of the UNet
 (their own GPUs, or beside it) and several run at once, one per instance. Each instance keeps
-the most used ControlNets resident (backends/core/controlnet_cache.py) and reports hits,
+the most used ControlNets resident (backends/core/adapters/controlnet_cache.py) and reports hits,
 misses, load time and its resident set as Prometheus metrics on Triton's metrics port.
 """
 
@@ -25,9 +25,9 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 from diffusers import ControlNetModel  # noqa: E402, F401  (pay the import when loading, not at the first miss)
 
 from backends.bls_controlnets import sync_current_stream, to_triton  # noqa: E402
-from backends.core.adapter_store import AdapterStore  # noqa: E402
-from backends.core.controlnet import ControlCall, run_controlnet  # noqa: E402
-from backends.core.controlnet_cache import ControlNetCache  # noqa: E402
+from backends.core.adapters.store import AdapterStore  # noqa: E402
+from backends.core.adapters.controlnet import ControlCall, run_controlnet  # noqa: E402
+from backends.core.adapters.controlnet_cache import ControlNetCache  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
     Metrics, adapter_store_folder, each_request, parameters, placement, scalar, setup_logging)
 

@@ -29,17 +29,17 @@ import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from backends.bls_controlnets import BlsControlNets  # noqa: E402
-from backends.core.adapter_store import AdapterStore  # noqa: E402
-from backends.core.contract import WIRE_DTYPES, controlnet_decl  # noqa: E402
-from backends.core.adapter_inputs import decode_control_image  # noqa: E402
-from backends.core.controlnet import ControlInput  # noqa: E402
-from backends.core.denoise_engine import DenoiseJob, TorchDenoiser  # noqa: E402
-from backends.core.denoise_loop import DenoiseLoop, DenoiseResult  # noqa: E402
-from backends.core.lora import BOUNDS_FILE  # noqa: E402
-from backends.core.lora_loader import LoraLoaderPool  # noqa: E402
-from backends.core.params import InvalidInput, Limits  # noqa: E402
-from backends.core.step_scheduler import SchedulerConfig  # noqa: E402
-from backends.core.unet_split import num_skips  # noqa: E402
+from backends.core.adapters.store import AdapterStore  # noqa: E402
+from backends.core.request.contract import WIRE_DTYPES, controlnet_decl  # noqa: E402
+from backends.core.request.adapter_inputs import decode_control_image  # noqa: E402
+from backends.core.adapters.controlnet import ControlInput  # noqa: E402
+from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser  # noqa: E402
+from backends.core.engine.loop import DenoiseLoop, DenoiseResult  # noqa: E402
+from backends.core.adapters.lora import BOUNDS_FILE  # noqa: E402
+from backends.core.adapters.lora_loader import LoraLoaderPool  # noqa: E402
+from backends.core.request.params import InvalidInput, Limits  # noqa: E402
+from backends.core.engine.scheduler import SchedulerConfig  # noqa: E402
+from backends.core.runtime.unet_split import num_skips  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
     Metrics, adapter_store_folder, artifact_folder, error, parameters, params_tensor, placement, read_params,
     setup_logging)
@@ -120,7 +120,7 @@ class TritonPythonModel:
         store_folder = adapter_store_folder(args)
         self.store = AdapterStore(store_folder) if store_folder else None
         # LoRA files load in separate processes (diffusers' conversion never holds this process's
-        # GIL; a loader that crashes fails its request only): backends/core/lora_loader.py.
+        # GIL; a loader that crashes fails its request only): backends/core/adapters/lora_loader.py.
         self.lora_loader = LoraLoaderPool(int(params.get("lora_loaders", 2)), device=where.device) \
             if self.store else None
         if self.lora_loader is not None and not self.lora_loader.wait_started(timeout=300):

@@ -20,7 +20,7 @@ import itertools  # noqa: E402
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from backends.core.contract import DENOISER  # noqa: E402
+from backends.core.request.contract import DENOISER  # noqa: E402
 from backends.triton_adapter import each_request, parameters, setup_logging  # noqa: E402
 
 

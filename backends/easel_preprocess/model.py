@@ -17,9 +17,9 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from backends.core.contract import PREPROCESS  # noqa: E402
-from backends.core.adapter_inputs import validate_request  # noqa: E402
-from backends.core.params import Limits  # noqa: E402
+from backends.core.request.contract import PREPROCESS  # noqa: E402
+from backends.core.request.adapter_inputs import validate_request  # noqa: E402
+from backends.core.request.params import Limits  # noqa: E402
 from backends.triton_adapter import each_request, parameters, params_tensor, read_inputs, scalar, setup_logging  # noqa: E402
 
 

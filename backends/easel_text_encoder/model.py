@@ -16,8 +16,8 @@ import time  # noqa: E402
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from backends.core.adapter_store import AdapterStore  # noqa: E402
-from backends.core.text_encoding import PromptEncoder  # noqa: E402
+from backends.core.adapters.store import AdapterStore  # noqa: E402
+from backends.core.stages.text_encoding import PromptEncoder  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
     adapter_store_folder, artifact_folder, each_request, params_tensor, placement, read_params, setup_logging)
 

@@ -16,7 +16,7 @@ import time  # noqa: E402
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from backends.core.vae_decoding import LatentDecoder  # noqa: E402
+from backends.core.stages.vae_decoding import LatentDecoder  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
     artifact_folder, each_request, params_tensor, placement, read_params, setup_logging)
 

@@ -13,13 +13,13 @@ from diffusers import (ControlNetModel, MultiControlNetModel, StableDiffusionXLC
                        StableDiffusionXLPipeline)
 from PIL import Image
 
-from backends.core.adapter_store import AdapterStore
-from backends.core.controlnet import ControlInput, LocalControlNets
-from backends.core.controlnet_cache import ControlNetCache
-from backends.core.denoise_engine import DenoiseJob, TorchDenoiser
-from backends.core.params import Limits, validate
-from backends.core.placement import Placement
-from backends.core.text_encoding import PromptEncoder
+from backends.core.adapters.store import AdapterStore
+from backends.core.adapters.controlnet import ControlInput, LocalControlNets
+from backends.core.adapters.controlnet_cache import ControlNetCache
+from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+from backends.core.request.params import Limits, validate
+from backends.core.runtime.placement import Placement
+from backends.core.stages.text_encoding import PromptEncoder
 from export.repository import ExportOptions, export_repository
 from export.tiny_adapters import write_tiny_adapter_store
 

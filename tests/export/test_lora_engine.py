@@ -9,12 +9,12 @@ import pytest
 import torch
 from diffusers import StableDiffusionXLPipeline
 
-from backends.core.adapter_store import AdapterStore
-from backends.core.denoise_engine import DenoiseJob, TorchDenoiser
-from backends.core.lora import load_lora
-from backends.core.params import Limits, validate
-from backends.core.placement import Placement
-from backends.core.text_encoding import PromptEncoder
+from backends.core.adapters.store import AdapterStore
+from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+from backends.core.adapters.lora import load_lora
+from backends.core.request.params import Limits, validate
+from backends.core.runtime.placement import Placement
+from backends.core.stages.text_encoding import PromptEncoder
 from export.repository import ExportOptions, export_repository
 
 TOLERANCE = 1e-4

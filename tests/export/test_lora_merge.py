@@ -9,9 +9,9 @@ import pytest
 import torch
 from diffusers import StableDiffusionXLPipeline
 
-from backends.core.adapter_store import AdapterStore
-from backends.core.lora import LoraMerger, load_lora
-from backends.core.params import InvalidInput
+from backends.core.adapters.store import AdapterStore
+from backends.core.adapters.lora import LoraMerger, load_lora
+from backends.core.request.params import InvalidInput
 from export.tiny_adapters import TINY_LORAS
 
 TOLERANCE = 1e-5
@@ -75,7 +75,7 @@ def test_merging_again_does_not_drift(tiny_model, store):
 def test_merging_in_small_chunks_gives_the_same_weights(tiny_model, store, monkeypatch):
     """The merge batches same-shaped layers into one product, in chunks bounded by DELTA_BYTES:
     one layer per chunk gives the same weights."""
-    import backends.core.lora as lora_module
+    import backends.core.adapters.lora as lora_module
 
     unet = StableDiffusionXLPipeline.from_pretrained(tiny_model, add_watermarker=False).unet
     loras = [(load_lora(n, store.lora(n).path), s) for n, s in (("papercut", 0.8), ("inkwash", 0.5))]

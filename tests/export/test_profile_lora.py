@@ -7,7 +7,7 @@ import json
 
 import torch
 
-from backends.core.lora import BOUNDS_FILE
+from backends.core.adapters.lora import BOUNDS_FILE
 from export.cli import main
 from export.profile_lora import first_divergent_step
 from export.repository import ExportOptions, export_repository

@@ -16,13 +16,13 @@ from google.protobuf import text_format
 from safetensors import safe_open
 from tritonclient.grpc import model_config_pb2
 
-from backends.core import contract
-from backends.core.artifacts import DECODER_FILE, ENCODER_FILE, UNET_DIR
-from backends.core.denoise_engine import DenoiseJob, TorchDenoiser
-from backends.core.params import Limits, validate
-from backends.core.placement import Placement
-from backends.core.text_encoding import PromptEncoder
-from backends.core.unet_split import split_unet
+from backends.core.request import contract
+from backends.core.runtime.artifacts import DECODER_FILE, ENCODER_FILE, UNET_DIR
+from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+from backends.core.request.params import Limits, validate
+from backends.core.runtime.placement import Placement
+from backends.core.stages.text_encoding import PromptEncoder
+from backends.core.runtime.unet_split import split_unet
 from export.repository import ExportOptions, export_repository
 
 MODELS = ("easel", "preprocess", "text_encoder", "generate", "vae_decoder", "postprocess")

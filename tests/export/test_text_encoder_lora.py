@@ -14,11 +14,11 @@ import torch
 from diffusers import StableDiffusionXLPipeline
 from safetensors.torch import load_file, save_file
 
-from backends.core.adapter_store import AdapterStore
-from backends.core.lora import load_lora
-from backends.core.params import InvalidInput, Limits, LoraParams, validate
-from backends.core.placement import Placement
-from backends.core.text_encoding import PromptEncoder
+from backends.core.adapters.store import AdapterStore
+from backends.core.adapters.lora import load_lora
+from backends.core.request.params import InvalidInput, Limits, LoraParams, validate
+from backends.core.runtime.placement import Placement
+from backends.core.stages.text_encoding import PromptEncoder
 from export.repository import ExportOptions, export_repository
 from export.tiny_adapters import TEXT_ENCODER_LORAS
 

@@ -7,8 +7,8 @@ import os
 
 import pytest
 
-from backends.core.adapter_store import CONTROLNET_WEIGHTS, AdapterStore, check_name
-from backends.core.params import InvalidInput
+from backends.core.adapters.store import CONTROLNET_WEIGHTS, AdapterStore, check_name
+from backends.core.request.params import InvalidInput
 
 
 def make_controlnet(root, name, weights=CONTROLNET_WEIGHTS):

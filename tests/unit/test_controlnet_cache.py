@@ -7,9 +7,9 @@ import time
 
 import pytest
 
-from backends.core.adapter_store import AdapterStore
-from backends.core.controlnet_cache import ControlNetCache
-from backends.core.placement import Placement
+from backends.core.adapters.store import AdapterStore
+from backends.core.adapters.controlnet_cache import ControlNetCache
+from backends.core.runtime.placement import Placement
 
 
 class FakeLoads:

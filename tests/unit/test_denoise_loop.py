@@ -9,12 +9,12 @@ import numpy as np
 import pytest
 import torch
 
-from backends.core.denoise_engine import DenoiseJob, TorchDenoiser
-from backends.core.denoise_loop import DenoiseLoop, DenoiseResult
-from backends.core.params import Limits, validate
-from backends.core.placement import Placement
-from backends.core.step_scheduler import SchedulerConfig
-from backends.core.text_encoding import PromptEncoder
+from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+from backends.core.engine.loop import DenoiseLoop, DenoiseResult
+from backends.core.request.params import Limits, validate
+from backends.core.runtime.placement import Placement
+from backends.core.engine.scheduler import SchedulerConfig
+from backends.core.stages.text_encoding import PromptEncoder
 from export.repository import ExportOptions, export_repository
 
 # A request batched with another rounds differently from one run alone (CPU fp32 GEMMs pick
@@ -101,8 +101,8 @@ def test_shutdown_fails_what_is_left(engines):
 
 
 def lora_job(engine_encoder, tiny_model, rid, bound, pending=None, steps=6):
-    from backends.core.adapter_store import AdapterStore
-    from backends.core.lora import load_lora
+    from backends.core.adapters.store import AdapterStore
+    from backends.core.adapters.lora import load_lora
 
     _, encoder = engine_encoder
     j = job(encoder, rid, steps=steps)

@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from backends.core.image_metrics import psnr, ssim
+from backends.core.stages.image_metrics import psnr, ssim
 
 
 def test_identical_images():

@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from backends.core.lora import LoraLayer, LoraWeights, load_lora
-from backends.core.lora_loader import LOADER_NICENESS, SEGMENT_PREFIX, SHM_DIR, LoraLoaderDied, LoraLoaderPool
-from backends.core.params import InvalidInput
+from backends.core.adapters.lora import LoraLayer, LoraWeights, load_lora
+from backends.core.adapters.lora_loader import LOADER_NICENESS, SEGMENT_PREFIX, SHM_DIR, LoraLoaderDied, LoraLoaderPool
+from backends.core.request.params import InvalidInput
 
 TIMEOUT = 120  # spawned workers import torch and diffusers first: slow on two busy cores
 

@@ -1,4 +1,4 @@
-"""backends/core/params.py: request validation against Limits, and the JSON the params travel in."""
+"""backends/core/request/params.py: request validation against Limits, and the JSON the params travel in."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ import math
 
 import pytest
 
-from backends.core.params import (MAX_SEED, SCHEDULER_NAMES, GenerateParams, InvalidInput, Limits,
+from backends.core.request.params import (MAX_SEED, SCHEDULER_NAMES, GenerateParams, InvalidInput, Limits,
                                   validate)
 
 LIMITS = Limits(default_width=512, default_height=768, max_width=1024, max_height=896, min_size=64,

@@ -7,8 +7,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from backends.core import shm_tensors
-from backends.core.shm_tensors import read_tensors, write_tensors
+from backends.core.adapters import shm_tensors
+from backends.core.adapters.shm_tensors import read_tensors, write_tensors
 
 
 def sample() -> dict[str, torch.Tensor]:

@@ -1,4 +1,4 @@
-"""backends/core/specs.py: component specs derived from model configs alone.
+"""backends/core/runtime/specs.py: component specs derived from model configs alone.
 
 The shapes a spec promises are checked against what the real modules produce, on both tiny
 model variants (they differ in UNet depth, widths, layers per block and text encoder sizes).
@@ -14,9 +14,9 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
-from backends.core import specs
-from backends.core.specs import ComponentSpec, Profile, TensorSpec
-from backends.core.unet_split import num_skips, split_unet
+from backends.core.runtime import specs
+from backends.core.runtime.specs import ComponentSpec, Profile, TensorSpec
+from backends.core.runtime.unet_split import num_skips, split_unet
 
 
 @pytest.fixture(scope="module", params=["tiny_model", "alt_model"])
@@ -29,7 +29,7 @@ def config(model_dir, component):
 
 
 def test_import_does_not_need_torch():
-    code = "import sys, backends.core.specs; assert 'torch' not in sys.modules"
+    code = "import sys, backends.core.runtime.specs; assert 'torch' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

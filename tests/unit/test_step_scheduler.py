@@ -1,4 +1,4 @@
-"""backends/core/step_scheduler.py: the step-level batching state machine, driven by fake step outputs.
+"""backends/core/engine/scheduler.py: the step-level batching state machine, driven by fake step outputs.
 
 No tensors: each test plays the executor, calling `schedule()` and reporting back a StepOutput.
 """
@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import pytest
 
-from backends.core.step_scheduler import SchedulerConfig, SeqState, Status, StepOutput, StepScheduler
+from backends.core.engine.scheduler import SchedulerConfig, SeqState, Status, StepOutput, StepScheduler
 
 A, B, C = (8, 8), (9, 13), (16, 8)  # latent shapes
 

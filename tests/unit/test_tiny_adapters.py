@@ -8,7 +8,7 @@ import numpy as np
 import torch
 from diffusers import ControlNetModel, StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline
 
-from backends.core.adapter_store import AdapterStore
+from backends.core.adapters.store import AdapterStore
 from export.tiny_adapters import TINY_CONTROLNETS, TINY_LORAS, write_tiny_adapter_store
 
 

@@ -1,7 +1,12 @@
-"""backends/core/unet_split.py: the UNet cut at the mid block must be the very same function.
+"""backends/core/runtime/unet_split.py: the UNet cut at the mid block must be the very same function.
 
-Tolerance: none. The halves run the UNet's own modules in the UNet's own order, so outputs are
-compared with torch.equal (bit-identical), on both tiny model variants.
+Tolerance: none where the halves and the UNet run on the same weight tensors: the halves run the
+UNet's own modules in the UNet's own order, so outputs are compared with torch.equal
+(bit-identical), on both tiny model variants. After an export round trip the weights are
+bit-equal but live at other addresses: CPU kernels (oneDNN/MKL, AVX-512 on some machines) pick
+code paths by alignment, so a forward on reloaded weights may differ from the original in the last
+bits. There the forward is compared within RELOAD_RTOL of the output's scale (seen failing with
+torch.equal on an AMD EPYC with AVX-512; fp32 rounding differences are ~1e-7 relative).
 """
 
 from __future__ import annotations
@@ -10,10 +15,12 @@ import pytest
 import torch
 from diffusers import UNet2DConditionModel
 
-from backends.core.artifacts import load_unet_halves
-from backends.core.placement import Placement
-from backends.core.unet_split import UNetDecoder, UNetEncoder, num_skips, split_forward, split_unet
+from backends.core.runtime.artifacts import load_unet_halves
+from backends.core.runtime.placement import Placement
+from backends.core.runtime.unet_split import UNetDecoder, UNetEncoder, num_skips, split_forward, split_unet
 from export.repository import ExportOptions, export_repository
+
+RELOAD_RTOL = 1e-5
 
 
 @pytest.fixture(scope="module", params=["tiny_model", "alt_model"])
@@ -153,6 +160,8 @@ def test_load_unet_halves_after_export_gives_the_same_unet(model_dir, unet, tmp_
     for batch, size in [(1, (8, 8)), (3, (9, 13))]:
         x = make_inputs(unet, batch, *size, seed=5)
         expected = full_unet(unet, x)
-        assert torch.equal(split_forward(encoder, decoder, x["sample"], x["timestep"], x["encoder_hidden_states"],
-                                         x["text_embeds"], x["time_ids"]), expected)
-        assert torch.equal(full_unet(loaded, x), expected)
+        got = split_forward(encoder, decoder, x["sample"], x["timestep"], x["encoder_hidden_states"],
+                            x["text_embeds"], x["time_ids"])
+        assert torch.equal(got, full_unet(loaded, x))  # same weight tensors: bit-identical
+        scale = expected.abs().max().item()
+        assert (got - expected).abs().max().item() <= RELOAD_RTOL * scale, (got - expected).abs().max()

@@ -3,7 +3,7 @@
 Why processes: reading a LoRA runs diffusers' key conversion in Python; on threads of the
 denoiser's process it competes for the GIL with the step loop. Why not a pickled return value:
 tensors would be pickled through a pipe (slow, a second copy). Instead a worker writes the
-tensors as one file under /dev/shm (RAM, no pickle; backends/core/shm_tensors.py), sends back
+tensors as one file under /dev/shm (RAM, no pickle; backends/core/adapters/shm_tensors.py), sends back
 only small metadata (the segment's path, layer names and scales, bytes), and the parent reads
 the file and unlinks it at once.
 
@@ -34,9 +34,9 @@ from typing import Callable
 
 import torch
 
-from .lora import LoraLayer, LoraWeights, load_lora
-from .params import InvalidInput
-from .shm_tensors import Staging, read_tensors, write_tensors
+from backends.core.adapters.lora import LoraLayer, LoraWeights, load_lora
+from backends.core.request.params import InvalidInput
+from backends.core.adapters.shm_tensors import Staging, read_tensors, write_tensors
 
 log = logging.getLogger(__name__)
 
@@ -130,7 +130,7 @@ class LoraLoaderPool:
         self._closed = False
         self._lock = threading.Lock()
         self._workers: list[_Worker | None] = [None] * workers
-        # Per feeder, made once (backends/core/shm_tensors.py says why): a stream to copy on, pinned chunks.
+        # Per feeder, made once (backends/core/adapters/shm_tensors.py says why): a stream to copy on, pinned chunks.
         self._streams = [torch.cuda.Stream(self.device) for _ in range(workers)] if self.device.type == "cuda" else []
         self._staging = [Staging() for _ in range(workers)] if self.device.type == "cuda" else []
         for slot in range(workers):  # started now, so their imports happen before the first request

@@ -12,8 +12,8 @@ import io
 import math
 from typing import Any, Mapping, Sequence
 
-from .adapter_store import check_name
-from .params import ControlParams, GenerateParams, InvalidInput, Limits, LoraParams, validate
+from backends.core.adapters.store import check_name
+from backends.core.request.params import ControlParams, GenerateParams, InvalidInput, Limits, LoraParams, validate
 
 MAX_SCALE = 10.0
 MAX_LORA_SCALE = 4.0  # diffusers takes any; past this a LoRA only breaks the image

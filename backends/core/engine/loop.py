@@ -21,8 +21,8 @@ from typing import Callable
 
 import numpy as np
 
-from .denoise_engine import DenoiseJob, RequestState, TorchDenoiser
-from .step_scheduler import SchedulerConfig, SeqState, Status, StepOutput, StepScheduler
+from backends.core.engine.denoiser import DenoiseJob, RequestState, TorchDenoiser
+from backends.core.engine.scheduler import SchedulerConfig, SeqState, Status, StepOutput, StepScheduler
 
 log = logging.getLogger(__name__)
 _WAKE = "wake"  # a LoRA load finished: look again

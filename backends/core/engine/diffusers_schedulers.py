@@ -16,7 +16,7 @@ from diffusers import (
 )
 from diffusers.schedulers.scheduling_utils import SchedulerMixin
 
-from .params import SCHEDULER_NAMES
+from backends.core.request.params import SCHEDULER_NAMES
 
 DEFAULT = "default"  # the model folder's own scheduler, as saved in scheduler/scheduler_config.json
 

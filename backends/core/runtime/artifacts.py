@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import load_file
 
-from .placement import Placement
+from backends.core.runtime.placement import Placement
 
 UNET_DIR = "unet"
 ENCODER_FILE = "encoder.safetensors"
@@ -26,7 +26,7 @@ def load_unet_halves(folder: Path, placement: Placement):
     """The UNet built from its config with the two halves' weights; returns (unet, encoder, decoder)."""
     from diffusers import UNet2DConditionModel
 
-    from .unet_split import split_unet
+    from backends.core.runtime.unet_split import split_unet
 
     unet_dir = Path(folder) / UNET_DIR
     config = json.loads((unet_dir / "config.json").read_text())

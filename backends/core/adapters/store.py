@@ -16,7 +16,7 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
-from .params import InvalidInput
+from backends.core.request.params import InvalidInput
 
 log = logging.getLogger(__name__)
 

@@ -20,7 +20,7 @@ from typing import Any, Protocol
 
 import torch
 
-from .controlnet_cache import ControlNetCache
+from backends.core.adapters.controlnet_cache import ControlNetCache
 
 
 @dataclass

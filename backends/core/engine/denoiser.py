@@ -21,13 +21,15 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
-from .artifacts import load_unet_halves
-from .controlnet import (ControlCall, ControlInput, PreparedControl, ResidualProvider, prepare_control_image,
+from backends.core.runtime.artifacts import load_unet_halves
+from backends.core.runtime.base import LoraSegment, StepBatch, UNetRuntime
+from backends.core.runtime.torch_eager import EagerUNetRuntime
+from backends.core.adapters.controlnet import (ControlCall, ControlInput, PreparedControl, ResidualProvider, prepare_control_image,
                          sum_residuals)
-from .lora import LoraMerger, LoraSet, UnmergedLoras, lora_key
-from .params import GenerateParams
-from .placement import Placement
-from .schedulers import make_scheduler
+from backends.core.adapters.lora import LoraMerger, LoraSet, lora_key
+from backends.core.request.params import GenerateParams
+from backends.core.runtime.placement import Placement
+from backends.core.engine.diffusers_schedulers import make_scheduler
 
 VAE_SCALE_FACTOR_FILE = "vae_scale_factor.json"
 # sync: step t's residuals come from step t's latents (exact). pipelined: step t uses the
@@ -78,7 +80,8 @@ class RequestState:
 
 class TorchDenoiser:
     def __init__(self, folder: str | Path, placement: Placement, controlnets: ResidualProvider | None = None,
-                 controlnet_mode: str = "sync"):
+                 controlnet_mode: str = "sync", runtime: UNetRuntime | None = None):
+        """`runtime`: how the UNet runs (backends/core/runtime); default: eager over the folder's halves."""
         if controlnet_mode not in CONTROLNET_MODES:
             raise ValueError(f"controlnet_mode: {controlnet_mode!r} is not one of {CONTROLNET_MODES}")
         self.controlnet_mode = controlnet_mode
@@ -90,7 +93,8 @@ class TorchDenoiser:
         # default stream, and those copies must not wait behind the UNet (they would serialize
         # the ControlNets with the encoder half they are meant to run beside).
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
-        self.unet, self.encoder, self.decoder = load_unet_halves(folder, placement)
+        self.runtime = runtime if runtime is not None else EagerUNetRuntime(*load_unet_halves(folder, placement))
+        self.unet = self.runtime.weights_module  # its config; LoRA merges write into its weights in place
         self.base_scheduler = _load_scheduler(folder / "scheduler")
         self.vae_scale_factor = json.loads((folder / VAE_SCALE_FACTOR_FILE).read_text())["vae_scale_factor"]
         self.latent_channels = self.unet.config.in_channels
@@ -165,12 +169,12 @@ class TorchDenoiser:
         pending = self._submit_controls(states, sample, timestep)  # run beside the encoder half
         if self.controlnet_mode == "pipelined":
             pending = self._pipeline(states, pending)
-        with self._loras(states):
-            emb, mid, skips = self.encoder(sample, timestep, embeds, torch.cat([s.pooled for s in states]),
-                                           torch.cat([s.time_ids for s in states]))
-            failed: dict[str, str] = {}
-            down_res, mid_res = self._collect_controls(states, pending, skips, mid, failed)
-            noise = self.decoder(emb, mid, skips, embeds, down_res, mid_res)
+        batch = StepBatch(sample, timestep, embeds, torch.cat([s.pooled for s in states]),
+                          torch.cat([s.time_ids for s in states]), lora_segments=self._loras(states))
+        enc = self.runtime.encode(batch)
+        failed: dict[str, str] = {}
+        residuals = self._collect_controls(states, pending, enc.skips, enc.mid, failed)
+        noise = self.runtime.decode(batch, enc, residuals)
 
         for s, pred in zip(states, noise.split([s.rows for s in states])):
             if s.job.request_id in failed:
@@ -206,24 +210,26 @@ class TorchDenoiser:
         for tensor in blocks.values():
             tensor.record_stream(self.stream)
 
-    def _loras(self, states):
+    def _loras(self, states) -> tuple[LoraSegment, ...]:
         """Merge the batch's LoRA set when all its requests share one (restoring the base weights
-        for none), else leave the weights at base and add each request's low-rank terms on its rows."""
+        for none), else leave the weights at base and have the runtime add each request's
+        low-rank terms on its rows."""
         keys = {lora_key(s.job.loras) for s in states}
         if len(keys) == 1:
             (key,) = keys
             if key != self.merged:
                 self.lora_merger.merge(list(states[0].job.loras))  # an empty set restores the base
                 self.merged = key
-            return nullcontext()
+            return ()
         if self.merged:
             self.lora_merger.restore()
             self.merged = ()
         segments, row = [], 0
         for s in states:
-            segments.append((slice(row, row + s.rows), s.job.loras))
+            if s.job.loras:
+                segments.append(LoraSegment(slice(row, row + s.rows), s.job.loras))
             row += s.rows
-        return UnmergedLoras(self.lora_merger.layers, segments)
+        return tuple(segments)
 
     def _submit_controls(self, states, sample, timestep):
         """Every ControlNet call of this step whose guidance window is open, per request, in order."""
@@ -252,7 +258,7 @@ class TorchDenoiser:
     def _collect_controls(self, states, pending, skips, mid, failed):
         """Residuals for the whole batch: each request's summed ControlNets on its rows, zeros elsewhere."""
         if not any(pending):
-            return None, None
+            return None
         downs, mids, row = [], [], 0
         start = time.perf_counter()
         for s, futures in zip(states, pending):

@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from .placement import Placement
+from backends.core.runtime.placement import Placement
 
 
 class LatentDecoder:

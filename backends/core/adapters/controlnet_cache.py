@@ -17,8 +17,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Callable
 
-from .adapter_store import AdapterStore
-from .placement import Placement
+from backends.core.adapters.store import AdapterStore
+from backends.core.runtime.placement import Placement
 
 log = logging.getLogger(__name__)
 

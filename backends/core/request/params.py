@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 MAX_SEED = 2**63 - 1
 # Sampler names a request may choose; `default` is the model folder's own scheduler.
-# backends/core/schedulers.py maps each onto a diffusers class.
+# backends/core/engine/diffusers_schedulers.py maps each onto a diffusers class.
 SCHEDULER_NAMES = ("default", "euler", "euler_a", "dpmpp_2m_karras", "ddim")
 
 

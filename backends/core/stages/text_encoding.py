@@ -19,10 +19,10 @@ from typing import Sequence
 import numpy as np
 import torch
 
-from .adapter_store import AdapterStore
-from .lora import TEXT_ENCODERS, LoraSet, LoraWeights, ModelLayers, UnmergedLoras, load_lora
-from .placement import Placement
-from .params import GenerateParams, InvalidInput, LoraParams
+from backends.core.adapters.store import AdapterStore
+from backends.core.adapters.lora import TEXT_ENCODERS, LoraSet, LoraWeights, ModelLayers, UnmergedLoras, load_lora
+from backends.core.runtime.placement import Placement
+from backends.core.request.params import GenerateParams, InvalidInput, LoraParams
 
 OPTIONS_FILE = "text_options.json"
 

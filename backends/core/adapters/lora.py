@@ -6,7 +6,7 @@ a file loads here exactly when it loads in diffusers. Merge: W = W0 + sum_i s_i 
 B_i @ A_i, computed in fp32 from the saved original W0 (merging again never accumulates
 rounding, and LoRAs never multiply each other). Restore copies W0 back: bit for bit, no
 `W -= ...` drift. Writes go into the weights' own memory, so captured CUDA graphs keep seeing them.
-Text-encoder layers are applied by the text encoder (backends/core/text_encoding.py).
+Text-encoder layers are applied by the text encoder (backends/core/stages/text_encoding.py).
 """
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from pathlib import Path
 
 import torch
 
-from .params import InvalidInput
+from backends.core.request.params import InvalidInput
 
 BOUNDS_FILE = "lora_bounds.json"  # per-LoRA bound K, written by `easel profile-lora` beside the UNet
 DELTA_BYTES = 256 << 20  # fp32 deltas a merge holds at once (a bigger layer still goes alone)

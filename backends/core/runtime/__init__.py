@@ -1,0 +1,1 @@
+"""UNet runtimes behind one contract (base.py): the split UNet, its artifacts and specs, eager and fast torch."""

@@ -1,0 +1,137 @@
+"""The one contract every UNet runtime sits behind, and the typed batch of one denoising step.
+
+The denoiser never calls a module: it fills a `StepBatch` and drives a `UNetRuntime`
+
+    enc   = runtime.encode(batch)                    # time/text embeddings, down blocks, mid block
+    noise = runtime.decode(batch, enc, residuals)    # ControlNet residuals join here; up blocks, head
+
+so torch eager (the exact reference, CPU tests), torch fast (CUDA graphs per bucket, optionally
+compiled) and later TensorRT are interchangeable. The UNet is cut in two because ControlNets run
+beside the encoder half and meet the UNet at the decoder half.
+
+`StepBatch` already has the fields of the execution modes that come later, so they arrive as new
+runtimes or new field values, not a redesign:
+- `token_masks`: masked editing (InstGenIE); rows whose unmasked tokens come from cached
+  activations of a template, so only the masked tokens are computed;
+- `patches`: mixed resolutions (PatchedServe); the batch's rows are equal-size latent patches cut
+  from images of different sizes, with per-image attention and GroupNorm statistics.
+A runtime whose `caps` lack a mode refuses a batch that uses it (`check_batch`), loudly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from backends.core.adapters.lora import LoraSet
+
+
+@dataclass(frozen=True)
+class RuntimeCaps:
+    """What a runtime can do; the denoiser and the scheduler plan around it."""
+
+    name: str
+    graphs: bool = False  # replays captured CUDA graphs (static buffers per bucket)
+    compiled: bool = False  # torch.compile'd halves
+    inplace_refit: bool = True  # weights written in place (a LoRA merge) are seen by the next step
+    unmerged_lora: bool = True  # per-row low-rank LoRA terms for batches that mix LoRA sets
+    token_subsets: bool = False  # StepBatch.token_masks (masked editing)
+    patches: bool = False  # StepBatch.patches (mixed resolutions)
+
+
+@dataclass(frozen=True)
+class LoraSegment:
+    """Rows of the batch that carry their own LoRA set, applied as unmerged low-rank terms."""
+
+    rows: slice
+    loras: LoraSet
+
+
+@dataclass(frozen=True)
+class PatchLayout:
+    """Mixed resolutions: which image each patch row belongs to and where it sits in it, so that a
+    runtime can keep attention and GroupNorm statistics per image. Not served by any runtime yet."""
+
+    image_of_row: tuple[int, ...]
+    origin_of_row: tuple[tuple[int, int], ...]  # (latent y, x) of each patch's top-left corner
+    image_shapes: tuple[tuple[int, int], ...]  # latent (h, w) of each image
+
+
+@dataclass
+class StepBatch:
+    """The UNet input of one step: one row per UNet row (a request with guidance has two).
+    Tensors live on the runtime's device, in its dtype (timestep in fp32)."""
+
+    sample: torch.Tensor  # [rows, C, h, w], already scaled by each row's sampler
+    timestep: torch.Tensor  # [rows]
+    text: torch.Tensor  # [rows, tokens, dim]
+    pooled: torch.Tensor  # [rows, pooled dim]
+    time_ids: torch.Tensor  # [rows, 6]
+    lora_segments: tuple[LoraSegment, ...] = ()  # empty: base weights, or one merged set for all
+    token_masks: torch.Tensor | None = None  # [rows, h*w], True where a token is computed
+    patches: PatchLayout | None = None
+
+    @property
+    def rows(self) -> int:
+        return self.sample.shape[0]
+
+    @property
+    def latent_shape(self) -> tuple[int, int]:
+        return tuple(self.sample.shape[-2:])
+
+
+@dataclass
+class EncoderOut:
+    """What the encoder half hands to the decoder half. A graphed runtime returns views of its
+    static buffers: valid until its next `encode`."""
+
+    emb: torch.Tensor
+    mid: torch.Tensor
+    skips: tuple[torch.Tensor, ...]
+    meta: dict = field(default_factory=dict)  # the runtime's own bookkeeping (e.g. its bucket)
+
+
+Residuals = tuple[list["torch.Tensor"], "torch.Tensor"]  # ControlNets' summed (down, mid) residuals
+
+
+class UNetRuntime(Protocol):
+    caps: RuntimeCaps
+    # The module whose parameters are this runtime's weights: a LoRA merge writes into them in
+    # place (caps.inplace_refit), which captured graphs see.
+    weights_module: nn.Module
+
+    def encode(self, batch: StepBatch) -> EncoderOut: ...
+
+    def decode(self, batch: StepBatch, enc: EncoderOut, residuals: Residuals | None) -> torch.Tensor: ...
+
+    def refit(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Overwrite the named weights in place; graphs and engines stay valid."""
+
+
+def check_batch(caps: RuntimeCaps, batch: StepBatch) -> None:
+    if batch.token_masks is not None and not caps.token_subsets:
+        raise NotImplementedError(f"the {caps.name} runtime cannot serve token subsets (masked editing)")
+    if batch.patches is not None and not caps.patches:
+        raise NotImplementedError(f"the {caps.name} runtime cannot serve patch batches (mixed resolutions)")
+    if batch.lora_segments and not caps.unmerged_lora:
+        raise NotImplementedError(f"the {caps.name} runtime cannot apply unmerged LoRA terms")
+
+
+def refit_in_place(module: nn.Module, weights: Mapping[str, torch.Tensor]) -> None:
+    """Copy each named weight into the parameter's own memory (all names checked first)."""
+    import torch
+
+    params = dict(module.named_parameters())
+    for name, tensor in weights.items():
+        if name not in params:
+            raise KeyError(f"refit: the UNet has no weight {name!r}")
+        if tuple(tensor.shape) != tuple(params[name].shape):
+            raise ValueError(f"refit: {name} is {tuple(tensor.shape)}, the UNet's is {tuple(params[name].shape)}")
+    with torch.no_grad():
+        for name, tensor in weights.items():
+            params[name].copy_(tensor)

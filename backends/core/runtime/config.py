@@ -1,0 +1,66 @@
+"""Which UNet runtime a denoiser uses and how it is tuned: chosen at export, typed, strict.
+
+kinds:
+- `eager`: diffusers' modules as they are (the exact reference; the default on CPU);
+- `graphs`: CUDA graphs of the two halves per bucket (latent shape x row count), static buffers;
+- `compiled`: the same graphs over torch.compile'd halves (default mode, never max-autotune at
+  serve time), with inductor's artifacts cached on disk so a restart does not compile again.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any, Mapping
+
+RUNTIME_KINDS = ("eager", "graphs", "compiled")
+
+
+@dataclass(frozen=True)
+class RuntimeConfig:
+    kind: str = "eager"
+    # Row counts a graph is captured for; a batch runs in the smallest bucket that holds it (the
+    # spare rows compute on stale inputs and are dropped). More rows than the largest: eager.
+    row_buckets: tuple[int, ...] = (2, 4, 8, 16)
+    # Latent (h, w) sizes whose buckets are captured (and compiled) at load, before ready.
+    warmup_sizes: tuple[tuple[int, int], ...] = ()
+    # Also capture the decoder half with ControlNet residuals at load.
+    warmup_residuals: bool = False
+    # A shape without a bucket: capture it when first seen (graphs), or run it eager. Capturing a
+    # compiled half means compiling it (minutes), so `compiled` runs misses eager by default.
+    capture_on_miss: bool | None = None
+    channels_last: bool = False
+    fused_kernels: bool = False  # plugins/: fused GroupNorm+SiLU and GEGLU
+    # inductor's on-disk cache, relative to the model's version folder (or absolute).
+    compile_cache: str = "compile_cache"
+
+    def __post_init__(self):
+        if self.kind not in RUNTIME_KINDS:
+            raise ValueError(f"runtime.kind: {self.kind!r} is not one of {list(RUNTIME_KINDS)}")
+        object.__setattr__(self, "row_buckets", tuple(sorted(int(r) for r in self.row_buckets)))
+        object.__setattr__(self, "warmup_sizes", tuple(tuple(int(d) for d in s) for s in self.warmup_sizes))
+        if not self.row_buckets or self.row_buckets[0] < 1:
+            raise ValueError(f"runtime.row_buckets: {self.row_buckets} needs positive row counts")
+        for size in self.warmup_sizes:
+            if len(size) != 2 or min(size) < 1:
+                raise ValueError(f"runtime.warmup_sizes: {size} is not a latent (h, w)")
+
+    @property
+    def miss_captures(self) -> bool:
+        return self.kind == "graphs" if self.capture_on_miss is None else self.capture_on_miss
+
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> "RuntimeConfig":
+        from backends.core.request.params import strict_from_dict
+
+        return strict_from_dict(cls, data, "runtime")
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+def default_kind(device: str) -> str:
+    """The fast runtime on a GPU, eager on CPU."""
+    return "compiled" if device.startswith("cuda") else "eager"
+
+
+__all__ = ["RUNTIME_KINDS", "RuntimeConfig", "default_kind", "field"]

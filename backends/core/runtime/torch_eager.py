@@ -1,0 +1,47 @@
+"""The torch eager runtime: diffusers' own modules split at the mid block, run as they are.
+
+The exact reference (what CPU tests and the diffusers oracle tests run), and the fallback of the
+fast runtime for what it does not capture (batches that mix LoRAs, shapes without a bucket).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from contextlib import nullcontext
+
+import torch
+
+from backends.core.adapters.lora import ModelLayers, UnmergedLoras
+from backends.core.runtime.base import EncoderOut, Residuals, RuntimeCaps, StepBatch, check_batch, refit_in_place
+from backends.core.runtime.unet_split import UNetDecoder, UNetEncoder
+
+
+class EagerUNetRuntime:
+    caps = RuntimeCaps(name="eager")
+
+    def __init__(self, unet, encoder: UNetEncoder, decoder: UNetDecoder):
+        self.weights_module = unet
+        self.encoder = encoder
+        self.decoder = decoder
+        self.layers = ModelLayers(unet)
+
+    @torch.inference_mode()
+    def encode(self, batch: StepBatch) -> EncoderOut:
+        check_batch(self.caps, batch)
+        with self._loras(batch):
+            emb, mid, skips = self.encoder(batch.sample, batch.timestep, batch.text, batch.pooled, batch.time_ids)
+        return EncoderOut(emb, mid, skips)
+
+    @torch.inference_mode()
+    def decode(self, batch: StepBatch, enc: EncoderOut, residuals: Residuals | None) -> torch.Tensor:
+        down, mid = residuals if residuals is not None else (None, None)
+        with self._loras(batch):
+            return self.decoder(enc.emb, enc.mid, enc.skips, batch.text, down, mid)
+
+    def refit(self, weights: Mapping[str, torch.Tensor]) -> None:
+        refit_in_place(self.weights_module, weights)
+
+    def _loras(self, batch: StepBatch):
+        if not batch.lora_segments:
+            return nullcontext()
+        return UnmergedLoras(self.layers, [(s.rows, s.loras) for s in batch.lora_segments])
