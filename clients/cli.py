@@ -15,6 +15,9 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+OUTPUT_FORMATS = ("png", "jpeg", "webp")
+EXTENSION_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
+
 EXPORT_COMMANDS = {
     "tiny": "build the tiny random SDXL demo pipeline (CPU)",
     "export": "export a diffusers pipeline into a Triton model repository",
@@ -61,10 +64,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     g = sub.add_parser(
         "generate", help="generate one image from a prompt",
-        description="Send one text-to-image request to the `easel` model and write the PNG. "
-                    "Options left out use the deployment's defaults.")
+        description="Send one text-to-image request to the `easel` model and write the image "
+                    "(PNG, JPEG or WebP). Options left out use the deployment's defaults.")
     g.add_argument("prompt", help="text prompt")
-    g.add_argument("-o", "--output", required=True, type=Path, help="where to write the PNG")
+    g.add_argument("-o", "--output", required=True, type=Path, help="where to write the image")
     g.add_argument("--negative", metavar="TEXT", help="negative prompt")
     g.add_argument("--url", metavar="HOST:PORT",
                    help="server address (default: localhost:8000 for http, localhost:8001 for grpc)")
@@ -77,6 +80,9 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--guidance", type=float, metavar="G", help="classifier-free guidance scale")
     g.add_argument("--scheduler", metavar="NAME", help="sampler, e.g. euler, euler_a, ddim")
     g.add_argument("--timeout", type=float, metavar="S", help="request timeout in seconds")
+    g.add_argument("--format", choices=OUTPUT_FORMATS, dest="output_format",
+                   help="image format (default: from the -o extension .png/.jpg/.jpeg/.webp, else png)")
+    g.add_argument("--quality", type=int, metavar="N", help="jpeg/webp quality, 1-100 (server default: 90)")
     g.add_argument("--controlnet", action="append", type=parse_controlnet, default=[],
                    metavar="NAME:IMAGE[:SCALE]", help="a ControlNet and its control image (repeatable)")
     g.add_argument("--lora", action="append", type=parse_lora, default=[], metavar="NAME[:SCALE]",
@@ -187,12 +193,21 @@ def parse_lora(text: str) -> tuple[str, float]:
         raise argparse.ArgumentTypeError(f"--lora: scale {scale!r} is not a number") from None
 
 
+def output_format(args: argparse.Namespace) -> str:
+    """--format, else the one the -o file's extension names, else png."""
+    return args.output_format or EXTENSION_FORMATS.get(args.output.suffix.lower(), "png")
+
+
 def generate_kwargs(args: argparse.Namespace) -> dict:
     """EaselClient.generate keyword arguments from parsed `generate` options."""
     width, height = args.size if args.size else (None, None)
+    fmt = output_format(args)
     kwargs = dict(prompt=args.prompt, negative_prompt=args.negative, width=width,
                   height=height, steps=args.steps, guidance_scale=args.guidance,
-                  seed=args.seed, scheduler=args.scheduler, timeout_s=args.timeout)
+                  seed=args.seed, scheduler=args.scheduler, timeout_s=args.timeout,
+                  # png is the server's default: sent only when asked for by name
+                  output_format=fmt if args.output_format or fmt != "png" else None,
+                  quality=args.quality)
     if args.controlnet:
         names, images, scales = zip(*args.controlnet)
         kwargs.update(controlnets=names, control_images=tuple(p.read_bytes() for p in images),
@@ -206,6 +221,9 @@ def generate_kwargs(args: argparse.Namespace) -> dict:
 def cmd_generate(args: argparse.Namespace) -> int:
     from clients.client import EaselClient, EaselError
 
+    named = EXTENSION_FORMATS.get(args.output.suffix.lower())
+    if named and named != output_format(args):
+        print(f"easel generate: note: writing {output_format(args)} into {args.output}", file=sys.stderr)
     try:
         with EaselClient(args.url, args.protocol, args.model) as client:
             with Spinner(f"generating on {client.url} ({args.protocol})") as spin:

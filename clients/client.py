@@ -45,6 +45,9 @@ class GenerateRequest:
     control_guidance_end: tuple[float, ...] | None = None
     loras: tuple[str, ...] | None = None
     lora_scales: tuple[float, ...] | None = None
+    # The image's encoding: "png" (server default), "jpeg" or "webp"; quality 1-100, jpeg/webp only.
+    output_format: str | None = None
+    quality: int | None = None
 
 
 # Input name -> (Triton datatype, numpy dtype); every input has dims [1].
@@ -64,12 +67,14 @@ INPUT_TYPES: dict[str, tuple[str, Any]] = {
     "control_guidance_end": ("FP32", np.float32),
     "loras": ("BYTES", np.object_),
     "lora_scales": ("FP32", np.float32),
+    "output_format": ("BYTES", np.object_),
+    "quality": ("INT32", np.int32),
 }
 
 
 @dataclass
 class GenerateResult:
-    png: bytes
+    png: bytes  # the encoded image: PNG unless the request asked for another output_format
     info: dict = field(default_factory=dict)
 
     def image(self):
@@ -152,11 +157,14 @@ class EaselClient:
                  width: int | None = None, height: int | None = None,
                  steps: int | None = None, guidance_scale: float | None = None,
                  seed: int | None = None, scheduler: str | None = None,
-                 timeout_s: float | None = None, **controls) -> GenerateResult:
-        """`controls`: controlnets, control_images, control_scales, control_guidance_start/end,
-        loras, lora_scales."""
+                 timeout_s: float | None = None, output_format: str | None = None,
+                 quality: int | None = None, **controls) -> GenerateResult:
+        """`output_format`: "png" (default), "jpeg" or "webp"; `quality` (1-100) for jpeg/webp.
+        Both are sent only when given. `controls`: controlnets, control_images, control_scales,
+        control_guidance_start/end, loras, lora_scales."""
         request = GenerateRequest(prompt, negative_prompt, width, height, steps,
-                                  guidance_scale, seed, scheduler, **controls)
+                                  guidance_scale, seed, scheduler, output_format=output_format,
+                                  quality=quality, **controls)
         return self.run(request, timeout_s)
 
     def run(self, request: GenerateRequest, timeout_s: float | None = None) -> GenerateResult:

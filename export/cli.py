@@ -7,6 +7,18 @@ import logging
 import sys
 
 
+def _positive_ints(flag: str):
+    def parse(text: str) -> tuple[int, ...]:
+        try:
+            values = tuple(int(v) for v in text.split(",") if v.strip())
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"{flag}: {text!r} must list positive integers")
+        return values
+    return parse
+
+
 def _gpus(text: str) -> tuple[int, ...]:
     try:
         gpus = tuple(int(g) for g in text.split(",") if g.strip())
@@ -61,6 +73,15 @@ def parser() -> argparse.ArgumentParser:
                      help="pipelined: step t uses residuals of step t-1's latents (hides ControlNet time; approximate)")
     exp.add_argument("--onnx", action="store_true",
                      help="also export each component to ONNX (<model>/1/onnx/<component>.onnx)")
+    exp.add_argument("--runtime", choices=("eager", "graphs", "compiled"), default=None,
+                     help="how the UNet runs: eager, CUDA graphs per bucket, or compiled + graphs "
+                          "(default: compiled on cuda, eager on cpu)")
+    exp.add_argument("--row-buckets", type=_positive_ints("--row-buckets"), default=(2, 4, 8, 16),
+                     help="UNet row counts captured as graphs, e.g. 2,4,8,16 (a step with guidance takes 2 a request)")
+    exp.add_argument("--warmup-sizes", type=_positive_ints("--warmup-sizes"), default=(),
+                     help="square image sizes (px) whose graphs are captured (and compiled) before ready, e.g. 1024")
+    exp.add_argument("--channels-last", action="store_true", help="UNet in channels_last memory format")
+    exp.add_argument("--fused-kernels", action="store_true", help="plugins/: fused GroupNorm+SiLU and GEGLU kernels")
     prof = sub.add_parser("profile-lora", help="measure each LoRA's bound K (steps it may join late) for a repository")
     prof.add_argument("--repo", required=True, help="a model repository exported with --adapters")
     prof.add_argument("--loras", default=None, help="comma-separated names (default: every LoRA in the store)")
@@ -94,7 +115,9 @@ def main(argv: list[str] | None = None) -> int:
                                 lora_bound_steps=args.lora_bound_steps, lora_loaders=args.lora_loaders,
                                 controlnet_gpus=args.controlnet_gpus,
                                 controlnet_instances=args.controlnet_instances,
-                                controlnet_cache_gib=args.controlnet_cache_gib, controlnet_mode=args.controlnet_mode)
+                                controlnet_cache_gib=args.controlnet_cache_gib, controlnet_mode=args.controlnet_mode,
+                                runtime=args.runtime, row_buckets=args.row_buckets, warmup_sizes=args.warmup_sizes,
+                                channels_last=args.channels_last, fused_kernels=args.fused_kernels)
         export_repository(args.model, args.out, options)
         return 0
     if args.command == "profile-lora":

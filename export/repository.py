@@ -18,7 +18,9 @@ from pathlib import Path
 from backends.core.request import contract
 from backends.core.runtime.artifacts import DECODER_FILE, ENCODER_FILE, UNET_DIR
 from backends.core.runtime.placement import DTYPE_NAMES, Placement
+from backends.core.engine.config import DenoiserConfig
 from backends.core.engine.denoiser import VAE_SCALE_FACTOR_FILE
+from backends.core.runtime.config import RUNTIME_KINDS, RuntimeConfig, default_kind
 from backends.core.request.params import Limits
 from backends.core.stages.text_encoding import OPTIONS_FILE
 
@@ -51,6 +53,13 @@ class ExportOptions:
     controlnet_cache_gib: float = 16.0  # resident ControlNets per instance
     controlnet_mode: str = "sync"  # or "pipelined" (approximate; see backends/core/engine/denoiser.py)
     onnx: bool = False  # also write <model>/1/onnx/<component>.onnx (export/onnx_export.py)
+    # The UNet runtime (backends/core/runtime/config.py): eager | graphs | compiled; default: the
+    # fast one on a GPU, eager on CPU.
+    runtime: str | None = None
+    row_buckets: tuple[int, ...] = (2, 4, 8, 16)
+    warmup_sizes: tuple[int, ...] = ()  # image sizes (square, px) whose buckets are captured at load
+    channels_last: bool = False
+    fused_kernels: bool = False
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -61,6 +70,20 @@ class ExportOptions:
             raise ValueError("gpus: at least one GPU id is needed with --device cuda")
         if self.lora_loaders < 1:
             raise ValueError(f"lora_loaders: {self.lora_loaders} is not a positive number of processes")
+        if self.runtime is not None and self.runtime not in RUNTIME_KINDS:
+            raise ValueError(f"runtime: {self.runtime!r} is not one of {list(RUNTIME_KINDS)}")
+        if self.device == "cpu" and self.runtime not in (None, "eager"):
+            raise ValueError(f"runtime: {self.runtime!r} needs --device cuda (CUDA graphs)")
+
+    @property
+    def resolved_runtime(self) -> str:
+        return self.runtime or default_kind(self.device)
+
+    def runtime_config(self, vae_scale_factor: int) -> RuntimeConfig:
+        sizes = tuple((s // vae_scale_factor, s // vae_scale_factor) for s in self.warmup_sizes)
+        return RuntimeConfig(kind=self.resolved_runtime, row_buckets=self.row_buckets, warmup_sizes=sizes,
+                             warmup_residuals=bool(self.adapters), channels_last=self.channels_last,
+                             fused_kernels=self.fused_kernels)
 
     @property
     def resolved_dtype(self) -> str:
@@ -150,11 +173,14 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
             pipe.scheduler.save_pretrained(model / VERSION / "scheduler")
             (model / VERSION / VAE_SCALE_FACTOR_FILE).write_text(json.dumps({"vae_scale_factor": vae_scale_factor}))
         gpu = options.gpus[index] if options.device == "cuda" else None
-        params = {**engine_params, "max_running": str(options.max_running),
-                  "max_batch_rows": str(options.max_batch_rows), "limits": limits.to_json(),
-                  "lora_bound_steps": str(options.lora_bound_steps), "lora_loaders": str(options.lora_loaders)}
+        config = DenoiserConfig(
+            limits=limits, runtime=options.runtime_config(vae_scale_factor), max_running=options.max_running,
+            max_batch_rows=options.max_batch_rows, lora_loaders=options.lora_loaders,
+            lora_bound_steps=options.lora_bound_steps,
+            controlnet_model="controlnet" if options.adapters else None, controlnet_mode=options.controlnet_mode)
+        params = {**engine_params, "denoiser": config.to_json()}
         if options.adapters:
-            params.update(adapters=store, controlnet_model="controlnet", controlnet_mode=options.controlnet_mode)
+            params["adapters"] = store
         if index:
             params["artifacts"] = shared
         (model / "config.pbtxt").write_text(python_model(
@@ -163,7 +189,8 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
     model = _fresh_model_dir(repo, "vae_decoder")
     pipe.vae.save_pretrained(model / VERSION / "vae", safe_serialization=True)
     (model / "config.pbtxt").write_text(python_model(
-        "vae_decoder", "easel_vae_decoder", contract.VAE_DECODER, options.instances(), engine_params))
+        "vae_decoder", "easel_vae_decoder", contract.VAE_DECODER, options.instances(),
+        {**engine_params, "graphs": "true" if options.resolved_runtime != "eager" else "false"}))
 
     # CPU-only steps: validation, the BLS hand-off to the denoisers, PNG encoding.
     cpu = Instances("KIND_CPU", 1)

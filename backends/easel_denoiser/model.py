@@ -18,10 +18,8 @@ for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         site.addsitedir(_p)
 sys.path[:] = [p for p in sys.path if p not in _own] + _own
 
-import json  # noqa: E402
 import logging  # noqa: E402
 import queue  # noqa: E402
-from concurrent.futures import Future  # noqa: E402
 import threading  # noqa: E402
 import uuid  # noqa: E402
 
@@ -29,16 +27,13 @@ import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from backends.bls_controlnets import BlsControlNets  # noqa: E402
-from backends.core.adapters.store import AdapterStore  # noqa: E402
-from backends.core.request.contract import WIRE_DTYPES, controlnet_decl  # noqa: E402
-from backends.core.request.adapter_inputs import decode_control_image  # noqa: E402
 from backends.core.adapters.controlnet import ControlInput  # noqa: E402
-from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser  # noqa: E402
-from backends.core.engine.loop import DenoiseLoop, DenoiseResult  # noqa: E402
-from backends.core.adapters.lora import BOUNDS_FILE  # noqa: E402
-from backends.core.adapters.lora_loader import LoraLoaderPool  # noqa: E402
-from backends.core.request.params import InvalidInput, Limits  # noqa: E402
-from backends.core.engine.scheduler import SchedulerConfig  # noqa: E402
+from backends.core.engine.builder import build_denoiser  # noqa: E402
+from backends.core.engine.config import DenoiserConfig  # noqa: E402
+from backends.core.engine.denoiser import DenoiseJob  # noqa: E402
+from backends.core.engine.loop import DenoiseResult  # noqa: E402
+from backends.core.request.adapter_inputs import decode_control_image  # noqa: E402
+from backends.core.request.contract import WIRE_DTYPES, controlnet_decl  # noqa: E402
 from backends.core.runtime.unet_split import num_skips  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
     Metrics, adapter_store_folder, artifact_folder, error, parameters, params_tensor, placement, read_params,
@@ -99,6 +94,28 @@ class ControlNetCallMetrics:
         self.metrics.set_total("call_s", getattr(self.engine.controlnets, "call_s", 0.0))
 
 
+class RuntimeMetrics:
+    """How the UNet runtime spends its steps: warm-up at load, graph replays, eager fallbacks."""
+
+    def __init__(self, args, denoiser):
+        self.runtime = denoiser.engine.runtime
+        self.metrics = Metrics({"model": args["model_name"], "runtime": self.runtime.caps.name}, {
+            "warmup_s": ("easel_runtime_warmup_seconds", "seconds spent capturing/compiling buckets at load", "gauge"),
+            "graph": ("easel_runtime_graph_steps_total", "steps replayed from captured CUDA graphs", "counter"),
+            "eager": ("easel_runtime_eager_steps_total", "steps run eager (no bucket, mixed LoRAs, eager runtime)",
+                      "counter"),
+            "captures": ("easel_runtime_captures_total", "CUDA graphs captured", "counter"),
+        })
+        self.metrics.set("warmup_s", denoiser.warmup_s)
+
+    def update(self) -> None:
+        stats = getattr(self.runtime, "stats", None)
+        if stats is not None:
+            self.metrics.set_total("graph", stats.graph_steps)
+            self.metrics.set_total("eager", stats.eager_steps)
+            self.metrics.set_total("captures", stats.captures)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         setup_logging()
@@ -107,36 +124,27 @@ class TritonPythonModel:
         # that much (bench/bls_transport.py measures it).
         sys.setswitchinterval(0.001)
         self.name = args["model_name"]
-        params = parameters(args)
-        config = SchedulerConfig(max_running=int(params.get("max_running", 16)),
-                                 max_batch_rows=int(params.get("max_batch_rows", 16)))
+        config = DenoiserConfig.from_json(parameters(args)["denoiser"])
+        self.limits = config.limits
         self.pending: dict[str, tuple] = {}
         self.outbox: queue.Queue[DenoiseResult | None] = queue.Queue()
         self.sender = threading.Thread(target=self._send_loop, name="easel-denoise-sender", daemon=True)
         self.sender.start()
         where = placement(args)
-        self.limits = Limits.from_json(params["limits"])
-        engine = TorchDenoiser(artifact_folder(args), where, controlnet_mode=params.get("controlnet_mode", "sync"))
         store_folder = adapter_store_folder(args)
-        self.store = AdapterStore(store_folder) if store_folder else None
-        # LoRA files load in separate processes (diffusers' conversion never holds this process's
-        # GIL; a loader that crashes fails its request only): backends/core/adapters/lora_loader.py.
-        self.lora_loader = LoraLoaderPool(int(params.get("lora_loaders", 2)), device=where.device) \
-            if self.store else None
-        if self.lora_loader is not None and not self.lora_loader.wait_started(timeout=300):
-            log.warning("LoRA loader processes did not start; LoRA requests will fail until they do")
-        # Steps a request may run before its LoRAs must be merged: per LoRA from `easel
-        # profile-lora`, else the deployment's (0: wait, exact).
-        self.lora_bound = int(params.get("lora_bound_steps", 0))
-        bounds = artifact_folder(args) / BOUNDS_FILE
-        self.lora_bounds = json.loads(bounds.read_text()) if bounds.exists() else {}
-        self.lora_loads: dict[str, tuple[int, float, int]] = {}  # request id -> (count, seconds, bytes)
-        self.metrics = LoraMetrics(args, engine.lora_merger)
-        if params.get("controlnet_model"):  # the ControlNet service, by BLS
+
+        def controlnets(engine, store):  # the ControlNet service, by BLS
             decl = controlnet_decl(num_skips(engine.unet), WIRE_DTYPES[where.dtype])
-            engine.controlnets = BlsControlNets(params["controlnet_model"], decl, self.store)
+            return BlsControlNets(config.controlnet_model, decl, store)
+
+        self.denoiser = build_denoiser(config, artifact_folder(args), where, self.outbox.put,
+                                       store_folder=store_folder, controlnets=controlnets)
+        self.lora_loads: dict[str, tuple[int, float, int]] = {}  # request id -> (count, seconds, bytes)
+        engine = self.denoiser.engine
+        self.metrics = LoraMetrics(args, engine.lora_merger)
         self.control_metrics = ControlNetCallMetrics(args, engine)
-        self.loop = DenoiseLoop(engine, self.outbox.put, config)
+        self.runtime_metrics = RuntimeMetrics(args, self.denoiser)
+        self.loop = self.denoiser.loop
         self.loop.start()
 
     def execute(self, requests):
@@ -154,27 +162,12 @@ class TritonPythonModel:
                 continue
             self.pending[job.request_id] = (sender, params)
             if params.loras:  # file I/O runs in the loader processes, never on Triton's thread or the loop
-                job.loras_pending = self._load_loras(job.request_id, params)
-                job.lora_bound = min(self.lora_bounds.get(p.name, self.lora_bound) for p in params.loras)
+                rid = job.request_id
+                job.loras_pending = self.denoiser.load_loras(
+                    params, on_loaded=lambda stats, rid=rid: self.lora_loads.__setitem__(rid, stats))
+                job.lora_bound = self.denoiser.lora_bound(params)
             self.loop.submit(job)
         return None
-
-    def _load_loras(self, request_id, params) -> Future:
-        """A future of ((LoraWeights, scale), ...); errors travel in it, so they fail this request
-        at a step boundary like a load error does. Never blocks: the store's index is in memory."""
-        try:
-            if self.store is None:
-                raise InvalidInput("loras", "this deployment has no adapter store")
-            files = [(p.name, self.store.lora(p.name).path, p.scale) for p in params.loras]
-        except InvalidInput as exc:
-            failed = Future()
-            failed.set_exception(exc)
-            return failed
-
-        def loaded(stats):  # (count, seconds, bytes), set before the future resolves
-            self.lora_loads[request_id] = stats
-
-        return self.lora_loader.submit(files, on_loaded=loaded)
 
     def _controls(self, request, params):
         images = pb_utils.get_input_tensor_by_name(request, "control_images").as_numpy().reshape(-1)
@@ -187,6 +180,7 @@ class TritonPythonModel:
             sender, params = self.pending.pop(result.request_id)
             self.metrics.record(self.lora_loads.pop(result.request_id, None), result)
             self.control_metrics.update()
+            self.runtime_metrics.update()
             if result.error is not None:
                 sender.send(error(f"denoiser: {result.error}"), flags=FINAL)
                 continue
@@ -198,10 +192,8 @@ class TritonPythonModel:
                 flags=FINAL)
 
     def finalize(self):
-        if self.lora_loader is not None:
-            self.lora_loader.shutdown()
-        self.loop.shutdown()
-        if self.loop.engine.controlnets is not None:
-            self.loop.engine.controlnets.shutdown()
+        # Fixed order: LoRA loaders, the loop (failing what is left), the ControlNet provider,
+        # then the sender drains what the loop handed it.
+        self.denoiser.shutdown()
         self.outbox.put(None)
         self.sender.join(timeout=30)

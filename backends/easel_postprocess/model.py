@@ -1,4 +1,4 @@
-"""Triton adapter: pixels -> PNG bytes, and the request's `info` JSON (CPU, no torch)."""
+"""Triton adapter: pixels -> PNG/JPEG/WebP bytes, and the request's `info` JSON (CPU, no torch)."""
 
 import os
 import site
@@ -12,14 +12,13 @@ for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         site.addsitedir(_p)
 sys.path[:] = [p for p in sys.path if p not in _own] + _own
 
-import io  # noqa: E402
 import json  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
-from PIL import Image  # noqa: E402
 
+from backends.core.stages.image_encoding import DEFAULT_QUALITY, encode_image  # noqa: E402
 from backends.triton_adapter import each_request, read_params, setup_logging  # noqa: E402
 
 
@@ -28,6 +27,8 @@ def info_of(params) -> dict:
     received = trace.pop("received_at", None)
     info = {"seed": params.seed, "steps": params.steps, "scheduler": params.scheduler,
             "width": params.width, "height": params.height, "guidance_scale": params.guidance_scale,
+            "output_format": params.output_format,
+            "quality": DEFAULT_QUALITY.get(params.output_format) if params.quality is None else params.quality,
             "queue_s": trace.pop("queue_s", None), "max_batch": trace.pop("max_batch", None),
             "denoiser": trace.pop("denoiser", None), "lora_merged_at_step": trace.pop("lora_step", None),
             "lora_wait_s": trace.pop("lora_wait_s", None), "stages_s": trace}
@@ -41,14 +42,14 @@ class TritonPythonModel:
         setup_logging()
 
     def execute(self, requests):
-        return each_request(requests, self._encode_png, "postprocess")
+        return each_request(requests, self._encode, "postprocess")
 
-    def _encode_png(self, request):
+    def _encode(self, request):
         params = read_params(request)
         start = time.perf_counter()
-        buf = io.BytesIO()
-        Image.fromarray(pb_utils.get_input_tensor_by_name(request, "pixels").as_numpy()).save(buf, format="PNG")
+        image = encode_image(pb_utils.get_input_tensor_by_name(request, "pixels").as_numpy(),
+                             params.output_format, params.quality)
         params = params.with_trace(postprocess_s=time.perf_counter() - start)
         info = json.dumps(info_of(params)).encode()
-        return [pb_utils.Tensor("image", np.array([buf.getvalue()], dtype=np.object_)),
+        return [pb_utils.Tensor("image", np.array([image], dtype=np.object_)),
                 pb_utils.Tensor("info", np.array([info], dtype=np.object_))]

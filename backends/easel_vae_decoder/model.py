@@ -18,13 +18,14 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from backends.core.stages.vae_decoding import LatentDecoder  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
-    artifact_folder, each_request, params_tensor, placement, read_params, setup_logging)
+    artifact_folder, each_request, parameters, params_tensor, placement, read_params, setup_logging)
 
 
 class TritonPythonModel:
     def initialize(self, args):
         setup_logging()
-        self.decoder = LatentDecoder(artifact_folder(args), placement(args))
+        graphs = parameters(args).get("graphs", "false") == "true"
+        self.decoder = LatentDecoder(artifact_folder(args), placement(args), graphs=graphs)
 
     def execute(self, requests):
         return each_request(requests, self._decode, "vae_decoder")

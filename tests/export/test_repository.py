@@ -16,6 +16,7 @@ from google.protobuf import text_format
 from safetensors import safe_open
 from tritonclient.grpc import model_config_pb2
 
+from backends.core.engine.config import DenoiserConfig
 from backends.core.request import contract
 from backends.core.runtime.artifacts import DECODER_FILE, ENCODER_FILE, UNET_DIR
 from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
@@ -170,6 +171,22 @@ def test_cpu_export_is_fp32_on_cpu(cpu_repo):
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
 
 
+def test_denoiser_config_is_typed_and_strict(tiny_model, tmp_path):
+    repo = export_repository(tiny_model, tmp_path / "repo")
+    config = DenoiserConfig.from_json(params_of(configs(repo)["denoiser"])["denoiser"])
+    assert config.runtime.kind == "eager"  # the default on CPU
+    assert config.limits == Limits.from_json(params_of(configs(repo)["preprocess"])["limits"])
+    data = json.loads(config.to_json())
+    with pytest.raises(ValueError, match=r"denoiser: unknown keys \['max_runing'\]"):
+        DenoiserConfig.from_json(json.dumps({**data, "max_runing": 3}))
+    with pytest.raises(ValueError, match=r"runtime: unknown keys \['graph'\]"):
+        DenoiserConfig.from_json(json.dumps({**data, "runtime": {"graph": True}}))
+    with pytest.raises(ValueError, match="runtime.kind: 'tensorrt' is not one of"):
+        DenoiserConfig.from_json(json.dumps({**data, "runtime": {"kind": "tensorrt"}}))
+    with pytest.raises(ValueError, match="runtime: 'graphs' needs --device cuda"):
+        ExportOptions(runtime="graphs")
+
+
 def test_cuda_export_writes_one_denoiser_per_gpu(cuda_repo):
     parsed = configs(cuda_repo)
     assert "denoiser" not in parsed
@@ -181,7 +198,9 @@ def test_cuda_export_writes_one_denoiser_per_gpu(cuda_repo):
         assert list(group.gpus) == [gpu]
         params = params_of(config)
         assert params["dtype"] == "fp16"
-        assert (params["max_running"], params["max_batch_rows"]) == ("16", "16")
+        denoiser = DenoiserConfig.from_json(params["denoiser"])
+        assert (denoiser.max_running, denoiser.max_batch_rows) == (16, 16)
+        assert denoiser.runtime.kind == "compiled"  # the fast runtime is the default on a GPU
     # the second denoiser reads the first one's artifacts and holds no weights of its own
     assert "artifacts" not in params_of(parsed["denoiser_gpu0"])
     assert params_of(parsed["denoiser_gpu1"])["artifacts"] == "denoiser_gpu0/1"

@@ -132,3 +132,49 @@ def test_controlnet_option(tmp_path):
     assert kw["control_images"] == (b"png bytes", b"png bytes")
     with pytest.raises(SystemExit):
         cli.build_parser().parse_args(["generate", "x", "-o", "o.png", "--controlnet", "depth"])
+
+
+@pytest.mark.parametrize("output, extra, sent", [
+    ("out.png", [], None),  # png is the server's default: nothing sent, as before
+    ("out", [], None),
+    ("out.tiff", [], None),
+    ("out.jpg", [], "jpeg"),
+    ("OUT.JPEG", [], "jpeg"),
+    ("out.webp", [], "webp"),
+    ("out.png", ["--format", "png"], "png"),
+    ("out.png", ["--format", "webp"], "webp"),
+    ("out.jpg", ["--format", "png"], "png"),
+])
+def test_output_format_from_option_or_extension(output, extra, sent):
+    args = cli.build_parser().parse_args(["generate", "a cat", "-o", output, *extra])
+    kw = cli.generate_kwargs(args)
+    assert kw["output_format"] == sent and kw["quality"] is None
+
+
+def test_quality_option():
+    args = cli.build_parser().parse_args(["generate", "a cat", "-o", "o.jpg", "--quality", "75"])
+    kw = cli.generate_kwargs(args)
+    assert (kw["output_format"], kw["quality"]) == ("jpeg", 75)
+
+
+def test_unknown_format_option_is_refused(capsys):
+    with pytest.raises(SystemExit) as info:
+        _generate_args("--format", "gif")
+    assert info.value.code == 2 and "--format" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("protocol", ["http", "grpc"])
+def test_output_format_inputs_are_typed(protocol):
+    inputs = build_inputs(GenerateRequest("a cat", output_format="webp", quality=80), protocol)
+    assert [(i.name(), i.datatype()) for i in inputs] == [
+        ("prompt", "BYTES"), ("output_format", "BYTES"), ("quality", "INT32")]
+
+
+def test_generate_sends_format_and_quality_only_when_given(monkeypatch):
+    sent = []
+    monkeypatch.setattr(EaselClient, "run", lambda self, request, timeout_s=None: sent.append(request))
+    client = EaselClient(protocol="http")
+    client.generate("a cat", seed=1)
+    client.generate("a cat", output_format="jpeg", quality=70)
+    assert (sent[0].output_format, sent[0].quality) == (None, None)
+    assert (sent[1].output_format, sent[1].quality) == ("jpeg", 70)

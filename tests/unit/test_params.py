@@ -19,7 +19,7 @@ LIMITS = Limits(default_width=512, default_height=768, max_width=1024, max_heigh
 def raw(**overrides):
     """A request as preprocess reads it: every input present, None where the client sent nothing."""
     fields = dict(prompt=b"a red cat", negative_prompt=None, width=None, height=None, steps=None,
-                  guidance_scale=None, seed=None, scheduler=None)
+                  guidance_scale=None, seed=None, scheduler=None, output_format=None, quality=None)
     fields.update(overrides)
     return fields
 
@@ -180,3 +180,59 @@ def test_limits_from_json_rejects_unknown_keys():
 
 def test_prompt_limit_also_applies_to_str_prompts():
     invalid("prompt", "41 bytes", "limit of 40", prompt="x" * 41)
+
+
+# --- output format and quality ---
+
+
+def test_output_format_defaults_to_png_without_quality():
+    p = validate(raw(seed=1), LIMITS)
+    assert (p.output_format, p.quality) == ("png", None)
+    assert validate(raw(output_format=b""), LIMITS).output_format == "png"  # empty means default, as scheduler
+
+
+@pytest.mark.parametrize("fmt", ["png", "jpeg", "webp"])
+def test_every_output_format_is_accepted(fmt):
+    assert validate(raw(output_format=fmt.encode()), LIMITS).output_format == fmt
+
+
+@pytest.mark.parametrize("fmt", [b"gif", b"jpg", b"PNG", b"png "])
+def test_unknown_output_format_lists_the_allowed_values(fmt):
+    exc = invalid("output_format", repr(fmt.decode()), output_format=fmt)
+    assert "allowed: png, jpeg, webp" in str(exc)
+
+
+def test_output_format_invalid_utf8():
+    invalid("output_format", "UTF-8", output_format=b"\xff")
+
+
+@pytest.mark.parametrize("fmt", [b"jpeg", b"webp"])
+def test_quality_bounds_are_inclusive(fmt):
+    for quality in (1, 100, 75):
+        p = validate(raw(output_format=fmt, quality=quality), LIMITS)
+        assert p.quality == quality and type(p.quality) is int
+    assert validate(raw(output_format=fmt), LIMITS).quality is None
+
+
+@pytest.mark.parametrize("quality", [0, -5, 101, 2**31 - 1])
+def test_quality_out_of_range(quality):
+    invalid("quality", str(quality), "[1, 100]", output_format=b"jpeg", quality=quality)
+
+
+@pytest.mark.parametrize("fmt", [None, b"png"])
+def test_quality_is_refused_for_png(fmt):
+    invalid("quality", "only for jpeg and webp", output_format=fmt, quality=90)
+
+
+def test_output_format_survives_the_json_round_trip():
+    p = validate(raw(seed=2, output_format=b"webp", quality=80), LIMITS).with_trace(received_at=1.0)
+    back = GenerateParams.from_json(p.to_json())
+    assert back == p and (back.output_format, back.quality) == ("webp", 80)
+
+
+def test_params_json_without_the_new_fields_still_reads():
+    """JSON written before output_format/quality existed reads back with their defaults."""
+    data = json.loads(validate(raw(seed=1), LIMITS).to_json())
+    del data["output_format"], data["quality"]
+    back = GenerateParams.from_json(json.dumps(data))
+    assert (back.output_format, back.quality) == ("png", None)

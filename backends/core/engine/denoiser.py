@@ -21,6 +21,7 @@ import numpy as np
 import torch
 from diffusers.utils.torch_utils import randn_tensor
 
+from backends.core.engine.config import CONTROLNET_MODES
 from backends.core.runtime.artifacts import load_unet_halves
 from backends.core.runtime.base import LoraSegment, StepBatch, UNetRuntime
 from backends.core.runtime.torch_eager import EagerUNetRuntime
@@ -30,12 +31,10 @@ from backends.core.adapters.lora import LoraMerger, LoraSet, lora_key
 from backends.core.request.params import GenerateParams
 from backends.core.runtime.placement import Placement
 from backends.core.engine.diffusers_schedulers import make_scheduler
+from backends.core.engine.samplers import SamplerPlan, model_timesteps, scale_model_input, vectorizable
+from backends.core.engine.samplers import step as sampler_step
 
 VAE_SCALE_FACTOR_FILE = "vae_scale_factor.json"
-# sync: step t's residuals come from step t's latents (exact). pipelined: step t uses the
-# residuals computed from step t-1's latents, so a ControlNet has a whole UNet step to arrive
-# (approximate; the first step waits).
-CONTROLNET_MODES = ("sync", "pipelined")
 
 
 @dataclass
@@ -72,6 +71,8 @@ class RequestState:
     # Pipelined ControlNets: the calls submitted at the previous step, used at this one.
     stale_controls: list | None = None
     lora_step: int | None = None  # the step from which its LoRAs were applied
+    # The vectorized sampler (engine/samplers.py); None: diffusers' own scheduler steps this request.
+    plan: SamplerPlan | None = None
 
     @property
     def rows(self) -> int:
@@ -129,6 +130,7 @@ class TorchDenoiser:
         latents = randn_tensor((1, self.latent_channels, h, w), generator=generator, device=self.device,
                                dtype=self.dtype)
         latents = latents * sched.init_noise_sigma
+        plan = SamplerPlan.from_scheduler(sched, p.steps, generator) if vectorizable(sched) else None
 
         accepted = set(inspect.signature(sched.step).parameters)
         step_kwargs = {}
@@ -152,19 +154,14 @@ class TorchDenoiser:
             job=job, scheduler=sched, timesteps=sched.timesteps, latents=latents,
             embeds=torch.from_numpy(job.prompt_embeds).to(self.device, self.dtype),
             pooled=torch.from_numpy(job.pooled_embeds).to(self.device, self.dtype),
-            time_ids=time_ids, step_kwargs=step_kwargs, controls=controls)
+            time_ids=time_ids, step_kwargs=step_kwargs, controls=controls, plan=plan)
 
     @torch.inference_mode()
     def step(self, states: list[RequestState]) -> dict[str, str]:
         """One denoising step for requests of one latent shape, as one UNet batch. Returns the
         requests that failed (id -> why); the others have advanced."""
-        inputs, timesteps = [], []
-        for s in states:
-            t = s.timesteps[s.index]
-            x = torch.cat([s.latents] * s.rows)
-            inputs.append(s.scheduler.scale_model_input(x, t))
-            timesteps.append(t.to(torch.float32).expand(s.rows))
-        sample, timestep = torch.cat(inputs), torch.cat(timesteps)
+        vectorized = all(s.plan is not None for s in states)
+        sample, timestep = self._model_input(states) if vectorized else self._model_input_per_request(states)
         embeds = torch.cat([s.embeds for s in states])
         pending = self._submit_controls(states, sample, timestep)  # run beside the encoder half
         if self.controlnet_mode == "pipelined":
@@ -176,17 +173,61 @@ class TorchDenoiser:
         residuals = self._collect_controls(states, pending, enc.skips, enc.mid, failed)
         noise = self.runtime.decode(batch, enc, residuals)
 
-        for s, pred in zip(states, noise.split([s.rows for s in states])):
-            if s.job.request_id in failed:
-                continue
-            if s.rows == 2:
-                uncond, text = pred.chunk(2)
-                pred = uncond + s.job.params.guidance_scale * (text - uncond)
-            t = s.timesteps[s.index]
-            s.latents = s.scheduler.step(pred, t, s.latents, **s.step_kwargs, return_dict=False)[0]
+        live = [s for s in states if s.job.request_id not in failed]
+        if vectorized and not failed and _same_guidance(states):
+            self._advance(states, noise)
+        else:
+            for s, pred in zip(states, noise.split([s.rows for s in states])):
+                if s.job.request_id not in failed:
+                    self._advance([s], pred)
+        for s in live:
             s.index += 1
             s.max_batch = max(s.max_batch, len(states))
         return failed
+
+    def _model_input(self, states):
+        """The UNet's rows for requests stepped by vectorized samplers: one scale and one
+        timestep copy for the whole batch, no host sync."""
+        plans, indices = [s.plan for s in states], [s.index for s in states]
+        x = torch.cat([s.latents for s in states])
+        x = scale_model_input(x, plans, indices)
+        rows = [s.rows for s in states]
+        x = x.repeat_interleave(rows[0], dim=0) if len(set(rows)) == 1 else torch.cat(
+            [x[b:b + 1].expand(r, *x.shape[1:]) for b, r in enumerate(rows)])
+        return x, model_timesteps(plans, indices, self.device, repeats=rows)
+
+    @staticmethod
+    def _model_input_per_request(states):
+        inputs, timesteps = [], []
+        for s in states:
+            t = s.timesteps[s.index]
+            x = torch.cat([s.latents] * s.rows)
+            if s.plan is None:
+                inputs.append(s.scheduler.scale_model_input(x, t))
+                timesteps.append(t.to(torch.float32).expand(s.rows))
+            else:
+                inputs.append(scale_model_input(x, [s.plan] * s.rows, [s.index] * s.rows))
+                timesteps.append(model_timesteps([s.plan], [s.index], x.device, repeats=[s.rows]))
+        return torch.cat(inputs), torch.cat(timesteps)
+
+    def _advance(self, states, noise) -> None:
+        """Guidance and the sampler step for `states` (their UNet rows in `noise`, in order):
+        batched when they share a vectorized sampler call and guidance scale, else one request."""
+        if states[0].rows == 2:
+            b = len(states)
+            pred = noise.view(b, 2, *noise.shape[1:])
+            uncond, text = pred[:, 0], pred[:, 1]
+            pred = uncond + states[0].job.params.guidance_scale * (text - uncond)
+        else:
+            pred = noise
+        if states[0].plan is not None:
+            latents = torch.cat([s.latents for s in states]) if len(states) > 1 else states[0].latents
+            latents = sampler_step(pred, latents, [s.plan for s in states], [s.index for s in states])
+            for b, s in enumerate(states):
+                s.latents = latents[b:b + 1]
+            return
+        (s,) = states
+        s.latents = s.scheduler.step(pred, s.timesteps[s.index], s.latents, **s.step_kwargs, return_dict=False)[0]
 
     def adopt_loras(self, loras: LoraSet) -> LoraSet:
         """LoRAs that arrived for a request, checked against the UNet (InvalidInput naming the
@@ -282,6 +323,12 @@ class TorchDenoiser:
     @staticmethod
     def result(state: RequestState) -> np.ndarray:
         return state.latents.float().cpu().numpy()
+
+
+def _same_guidance(states) -> bool:
+    """One batched guidance needs one scale and one row count (diffusers multiplies by a Python
+    float: a per-row tensor of scales would round differently)."""
+    return len({(s.rows, s.job.params.guidance_scale) for s in states}) == 1
 
 
 def _load_scheduler(folder: Path):

@@ -56,6 +56,9 @@ PUBLIC = ModelDecl(
         # LoRAs: names from the adapter store, with optional scales (default 1.0).
         _t("loras", "BYTES", -1, optional=True),
         _t("lora_scales", "FP32", -1, optional=True),
+        # The returned image's encoding: png (default), jpeg or webp, and quality for the last two.
+        _t("output_format", "BYTES", 1, optional=True),
+        _t("quality", "INT32", 1, optional=True),
     ),
     outputs=(_t("image", "BYTES", 1), _t("info", "BYTES", 1)),
 )

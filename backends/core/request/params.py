@@ -12,6 +12,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
+from backends.core.stages.image_encoding import DEFAULT_FORMAT, FORMATS, check_quality
+
 MAX_SEED = 2**63 - 1
 # Sampler names a request may choose; `default` is the model folder's own scheduler.
 # backends/core/engine/diffusers_schedulers.py maps each onto a diffusers class.
@@ -91,6 +93,10 @@ class GenerateParams:
     scheduler: str
     controls: tuple[ControlParams, ...] = ()
     loras: tuple[LoraParams, ...] = ()
+    # How postprocess encodes the image (backends/core/stages/image_encoding.py); quality None
+    # is the format's default.
+    output_format: str = DEFAULT_FORMAT
+    quality: int | None = None
     # Stage timings and other facts that travel with the request into `info`.
     trace: dict[str, Any] = field(default_factory=dict)
 
@@ -168,5 +174,17 @@ def validate(raw: Mapping[str, Any], limits: Limits) -> GenerateParams:
     if scheduler not in SCHEDULER_NAMES:
         raise InvalidInput("scheduler", f"unknown name {scheduler!r}; allowed: {', '.join(SCHEDULER_NAMES)}")
 
+    output_format = _text(raw, "output_format", limits, required=False) or DEFAULT_FORMAT
+    if output_format not in FORMATS:
+        raise InvalidInput("output_format", f"unknown format {output_format!r}; allowed: {', '.join(FORMATS)}")
+    quality = raw.get("quality")
+    if quality is not None:
+        quality = int(quality)
+        try:
+            check_quality(output_format, quality)
+        except ValueError as exc:
+            raise InvalidInput("quality", str(exc).removeprefix("quality: ")) from None
+
     return GenerateParams(prompt=prompt, negative_prompt=negative, width=width, height=height, steps=steps,
-                          guidance_scale=guidance, seed=seed, scheduler=scheduler)
+                          guidance_scale=guidance, seed=seed, scheduler=scheduler,
+                          output_format=output_format, quality=quality)

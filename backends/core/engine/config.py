@@ -1,0 +1,54 @@
+"""Everything a denoiser is configured with, as one typed config that refuses unknown keys.
+
+Export writes it as JSON into the denoiser's config.pbtxt (parameter `denoiser`); the Triton
+adapter reads it back with `DenoiserConfig.from_json` and hands it to the builder. Where the
+model runs (device, dtype) and where its files are (artifacts, adapter store) are the
+deployment's, read by the adapter like every model's.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from backends.core.request.params import Limits, strict_from_dict
+from backends.core.runtime.config import RuntimeConfig
+
+# sync: step t's residuals come from step t's latents (exact). pipelined: step t uses the
+# residuals computed from step t-1's latents, so a ControlNet has a whole UNet step to arrive
+# (approximate; the first step waits).
+CONTROLNET_MODES = ("sync", "pipelined")
+
+
+@dataclass(frozen=True)
+class DenoiserConfig:
+    limits: Limits = field(default_factory=Limits)
+    runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
+    max_running: int = 16  # requests in the running set
+    max_batch_rows: int = 16  # UNet rows per step
+    lora_loaders: int = 2  # LoRA loader processes
+    lora_bound_steps: int = 0  # steps a request may run before its LoRAs must be merged (0: exact)
+    controlnet_model: str | None = None  # the ControlNet service's Triton model, called by BLS
+    controlnet_mode: str = "sync"  # or "pipelined" (step t uses step t-1's residuals; approximate)
+
+    def __post_init__(self):
+        if isinstance(self.limits, dict):
+            object.__setattr__(self, "limits", strict_from_dict(Limits, self.limits, "denoiser.limits"))
+        if isinstance(self.runtime, dict):
+            object.__setattr__(self, "runtime", RuntimeConfig.from_dict(self.runtime))
+        for name in ("max_running", "max_batch_rows", "lora_loaders"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"denoiser.{name}: {getattr(self, name)} is not a positive number")
+        if self.lora_bound_steps < 0:
+            raise ValueError(f"denoiser.lora_bound_steps: {self.lora_bound_steps} is negative")
+        if self.controlnet_mode not in CONTROLNET_MODES:
+            raise ValueError(f"denoiser.controlnet_mode: {self.controlnet_mode!r} is not one of {CONTROLNET_MODES}")
+
+    @classmethod
+    def from_json(cls, text: str) -> "DenoiserConfig":
+        return strict_from_dict(cls, json.loads(text), "denoiser")
+
+    def to_json(self) -> str:
+        data: dict[str, Any] = asdict(self)
+        return json.dumps(data, sort_keys=True)

@@ -1,0 +1,218 @@
+"""The fast torch runtime on a GPU (backends/core/runtime/torch_fast.py), against the eager one.
+
+Tiny models, so that the tier runs in minutes. Tolerances, relative to the largest magnitude of
+the eager output: fp32 1e-5 (graph replay runs the same kernels, but cuBLAS/cuDNN may pick other
+algorithms while capturing), fp16 2e-3 (half a dozen fp16 ulps), compiled fp16 1e-2 (inductor fuses
+and reorders reductions). Run with `bench/gpu_tests.sh` on the GPU machine; skipped elsewhere.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from backends.core.adapters.lora import LoraMerger, load_lora
+from backends.core.adapters.store import AdapterStore
+from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+from backends.core.request.params import Limits, validate
+from backends.core.runtime.artifacts import load_unet_halves
+from backends.core.runtime.base import StepBatch
+from backends.core.runtime.config import RuntimeConfig
+from backends.core.runtime.placement import Placement
+from backends.core.runtime.torch_eager import EagerUNetRuntime
+from backends.core.runtime.torch_fast import FastUNetRuntime
+from backends.core.stages.text_encoding import PromptEncoder
+from export.repository import ExportOptions, export_repository
+
+pytestmark = pytest.mark.gpu
+TOL = {torch.float32: 1e-5, torch.float16: 2e-3}
+COMPILED_TOL = 1e-2
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a.float() - b.float()).abs().max() / b.float().abs().max().clamp_min(1e-6)).item()
+
+
+@pytest.fixture(scope="module")
+def repo(tiny_model, tmp_path_factory):
+    return export_repository(tiny_model, tmp_path_factory.mktemp("fast") / "repo", ExportOptions())
+
+
+def runtimes(repo, dtype: str, config: RuntimeConfig):
+    where = Placement("cuda:0", dtype)
+    folder = repo / "denoiser" / "1"
+    eager = EagerUNetRuntime(*load_unet_halves(folder, where))
+    fast = FastUNetRuntime(EagerUNetRuntime(*load_unet_halves(folder, where)), config, cache_root=folder)
+    return eager, fast
+
+
+def batch(unet, rows: int, h: int = 8, w: int = 8, seed: int = 0, dtype=torch.float16) -> StepBatch:
+    cfg = unet.config
+    g = torch.Generator("cpu").manual_seed(seed)
+    pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+
+    def rnd(*shape):
+        return torch.randn(*shape, generator=g).to("cuda", dtype)
+
+    return StepBatch(rnd(rows, cfg.in_channels, h, w), torch.linspace(900, 10, rows).cuda(),
+                     rnd(rows, 77, cfg.cross_attention_dim), rnd(rows, pooled),
+                     torch.tensor([[8.0 * h, 8.0 * w, 0, 0, 8.0 * h, 8.0 * w]]).repeat(rows, 1).to("cuda", dtype))
+
+
+def step(runtime, b: StepBatch, residuals=None) -> torch.Tensor:
+    enc = runtime.encode(b)
+    return runtime.decode(b, enc, residuals)
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "fp16"])
+def test_graphs_equal_eager_for_every_row_count(repo, dtype):
+    eager, fast = runtimes(repo, dtype, RuntimeConfig(kind="graphs", row_buckets=(2, 4)))
+    tdtype = Placement(dtype=dtype).torch_dtype
+    for rows in (1, 2, 3, 4):
+        b = batch(eager.weights_module, rows, dtype=tdtype, seed=rows)
+        want = step(eager, b)
+        for _ in range(2):  # the second replay reuses the captured graph
+            assert rel_err(step(fast, b), want) <= TOL[tdtype], rows
+    assert fast.stats.captures == 4 and fast.stats.graph_steps == 8  # 2 buckets x (encoder + decoder)
+    b = batch(eager.weights_module, 5, dtype=tdtype)  # more rows than the largest bucket: eager
+    assert rel_err(step(fast, b), step(eager, b)) <= TOL[tdtype]
+    assert fast.stats.eager_steps == 1
+
+
+def test_graphs_with_controlnet_residuals_equal_eager(repo):
+    eager, fast = runtimes(repo, "fp16", RuntimeConfig(kind="graphs", row_buckets=(2,)))
+    b = batch(eager.weights_module, 2)
+    enc = eager.encode(b)
+    g = torch.Generator("cpu").manual_seed(7)
+    residuals = ([torch.randn(s.shape, generator=g).to(s) for s in enc.skips], torch.randn(enc.mid.shape, generator=g).to(enc.mid))
+    want = eager.decode(b, enc, residuals)
+    assert rel_err(step(fast, b, residuals), want) <= TOL[torch.float16]
+    assert rel_err(step(fast, b), step(eager, b)) <= TOL[torch.float16]  # both decoder graphs coexist
+    assert rel_err(want, step(eager, b)) > 10 * TOL[torch.float16]  # the residuals mattered
+
+
+def test_lora_merge_is_seen_by_captured_graphs(repo, tiny_model):
+    eager, fast = runtimes(repo, "fp16", RuntimeConfig(kind="graphs", row_buckets=(2,)))
+    b = batch(eager.weights_module, 2)
+    before = step(fast, b)  # captured on the base weights
+    store = AdapterStore(tiny_model / "adapters")
+    lora = load_lora("papercut", store.lora("papercut").path)
+    for runtime in (eager, fast):
+        LoraMerger(runtime.weights_module).merge([(lora, 1.0)])
+    want = step(eager, b)
+    got = step(fast, b)  # the same graph, replayed after the in-place merge
+    assert fast.stats.captures == 2
+    assert rel_err(got, want) <= TOL[torch.float16]
+    assert rel_err(got, before) > 10 * TOL[torch.float16]
+
+
+def test_bucket_miss_runs_eager_or_captures(repo):
+    eager, fast = runtimes(repo, "fp16", RuntimeConfig(kind="graphs", row_buckets=(2,), capture_on_miss=False))
+    b = batch(eager.weights_module, 2, h=9, w=13)  # no bucket for 9x13 and misses are not captured
+    assert rel_err(step(fast, b), step(eager, b)) <= TOL[torch.float16]
+    assert fast.stats.misses == {(9, 13): 1} and fast.stats.captures == 0
+    fast.warmup(batch(eager.weights_module, 1), [(9, 13)])
+    assert fast.stats.captures == 2 and fast.stats.warmup_s > 0
+    assert rel_err(step(fast, b), step(eager, b)) <= TOL[torch.float16]
+    assert fast.stats.graph_steps == 1
+
+
+def test_denoiser_on_graphs_reproduces_the_eager_denoiser(repo):
+    """A whole request through the engine: the fast runtime's latents against eager's."""
+    where = Placement("cuda:0", "fp16")
+    folder = repo / "denoiser" / "1"
+    eager = TorchDenoiser(folder, where)
+    _, fast_runtime = runtimes(repo, "fp16", RuntimeConfig(kind="graphs"))
+    fast = TorchDenoiser(folder, where, runtime=fast_runtime)
+    encoder = PromptEncoder(repo / "text_encoder" / "1", where)
+    params = validate({"prompt": "a red fox", "steps": 6, "width": 64, "height": 64, "seed": 3}, Limits())
+    embeds, pooled = encoder.encode(params)
+    out = []
+    for engine in (eager, fast):
+        state = engine.start(DenoiseJob("r", params, embeds, pooled))
+        with engine.on_stream():
+            while state.index < len(state.timesteps):
+                engine.step([state])
+        out.append(torch.from_numpy(engine.result(state)))
+    assert rel_err(out[1], out[0]) <= 1e-2  # 6 steps of fp16 differences compound
+    assert fast_runtime.stats.graph_steps == 6
+
+
+def test_compiled_equals_eager(repo):
+    eager, fast = runtimes(repo, "fp16", RuntimeConfig(kind="compiled", row_buckets=(2,)))
+    b = batch(eager.weights_module, 2)
+    assert rel_err(step(fast, b), step(eager, b)) <= COMPILED_TOL
+    assert fast.caps.compiled and fast.stats.captures == 2
+
+
+_COLD_START = """
+import json, sys, time
+import torch
+from torch._dynamo.utils import counters
+from backends.core.runtime.artifacts import load_unet_halves
+from backends.core.runtime.config import RuntimeConfig
+from backends.core.runtime.placement import Placement
+from backends.core.runtime.torch_eager import EagerUNetRuntime
+from backends.core.runtime.torch_fast import FastUNetRuntime
+from backends.core.engine.builder import template_batch
+from pathlib import Path
+folder = Path(sys.argv[1])
+start = time.perf_counter()
+where = Placement("cuda:0", "fp16")
+eager = EagerUNetRuntime(*load_unet_halves(folder, where))
+fast = FastUNetRuntime(eager, RuntimeConfig(kind="compiled", row_buckets=(2,), compile_cache=sys.argv[2]), folder)
+fast.warmup(template_batch(eager.weights_module, torch.device("cuda:0"), torch.float16), [(8, 8)])
+print(json.dumps({"seconds": time.perf_counter() - start, "hits": counters["inductor"]["fxgraph_cache_hit"],
+                  "misses": counters["inductor"]["fxgraph_cache_miss"]}))
+"""
+
+
+def test_restart_loads_compiled_halves_from_the_disk_cache(repo, tmp_path):
+    """Two processes on one cache folder: the second compiles nothing (inductor's FX graph cache
+    hits for every graph). Whether that makes it faster is the benchmark's business."""
+    cache = tmp_path / "compile_cache"
+    env = {k: v for k, v in os.environ.items() if not k.startswith("TORCHINDUCTOR")}
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", _COLD_START, str(repo / "denoiser" / "1"), str(cache)],
+                             env=env, capture_output=True, text=True, timeout=600, check=True)
+        runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    first, second = runs
+    assert first["misses"] > 0 and first["hits"] == 0, first
+    assert second["misses"] == 0 and second["hits"] >= first["misses"], second
+    assert any(cache.rglob("*")), "nothing was written to the compile cache"
+
+
+def test_runtime_refit_writes_in_place(repo):
+    eager, fast = runtimes(repo, "fp16", RuntimeConfig(kind="graphs", row_buckets=(2,)))
+    b = batch(eager.weights_module, 2)
+    before = step(fast, b)
+    name, param = next((n, p) for n, p in fast.weights_module.named_parameters() if n.endswith("conv_out.weight"))
+    ptr = param.data_ptr()
+    fast.refit({name: torch.zeros_like(param)})
+    assert param.data_ptr() == ptr and not param.any()
+    after = step(fast, b)
+    assert not torch.equal(after, before)
+    with pytest.raises(KeyError, match="no weight 'nope'"):
+        fast.refit({"nope": torch.zeros(1)})
+
+
+def test_vae_graphs_equal_eager(repo):
+    import numpy as np
+
+    from backends.core.stages.vae_decoding import LatentDecoder
+
+    folder = repo / "vae_decoder" / "1"
+    eager = LatentDecoder(folder, Placement("cuda:0", "fp16"))
+    fast = LatentDecoder(folder, Placement("cuda:0", "fp16"), graphs=True)
+    latents = np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float32)
+    want = eager.decode(latents)
+    for _ in range(2):
+        got = fast.decode(latents)
+        assert np.abs(got.astype(int) - want.astype(int)).max() <= 1  # within 1/255
+    assert len(fast._graphs) == 1

@@ -1,0 +1,124 @@
+"""The UNet runtime contract (backends/core/runtime/base.py) on CPU, and the builder that wires a
+denoiser from its typed config (backends/core/engine/builder.py).
+
+Tolerance: none. The eager runtime runs the split UNet's own modules on the same weights, so its
+encode+decode is compared with torch.equal to the halves called directly.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+import torch
+
+from backends.core.engine.builder import build_denoiser, template_batch
+from backends.core.engine.config import DenoiserConfig
+from backends.core.engine.denoiser import DenoiseJob
+from backends.core.request.params import Limits, validate
+from backends.core.runtime.artifacts import load_unet_halves
+from backends.core.runtime.base import PatchLayout, StepBatch
+from backends.core.runtime.config import RuntimeConfig
+from backends.core.runtime.placement import Placement
+from backends.core.runtime.torch_eager import EagerUNetRuntime
+from backends.core.runtime.unet_split import split_forward
+from backends.core.stages.text_encoding import PromptEncoder
+from export.repository import ExportOptions, export_repository
+
+
+@pytest.fixture(scope="module")
+def repo(tiny_model, tmp_path_factory):
+    return export_repository(tiny_model, tmp_path_factory.mktemp("contract") / "repo", ExportOptions())
+
+
+@pytest.fixture(scope="module")
+def runtime(repo):
+    return EagerUNetRuntime(*load_unet_halves(repo / "denoiser" / "1", Placement()))
+
+
+def random_batch(runtime, rows=3, seed=0) -> StepBatch:
+    t = template_batch(runtime.weights_module, torch.device("cpu"), torch.float32)
+    g = torch.Generator().manual_seed(seed)
+    return StepBatch(torch.randn(rows, *t.sample.shape[1:], generator=g), torch.linspace(900, 20, rows),
+                     torch.randn(rows, *t.text.shape[1:], generator=g), torch.randn(rows, *t.pooled.shape[1:], generator=g),
+                     t.time_ids.repeat(rows, 1))
+
+
+def test_eager_runtime_is_the_split_unet(runtime):
+    b = random_batch(runtime)
+    enc = runtime.encode(b)
+    got = runtime.decode(b, enc, None)
+    want = split_forward(runtime.encoder, runtime.decoder, b.sample, b.timestep, b.text, b.pooled, b.time_ids)
+    assert torch.equal(got, want)
+    residuals = ([torch.ones_like(s) for s in enc.skips], torch.ones_like(enc.mid))
+    with_res = runtime.decode(b, runtime.encode(b), residuals)
+    assert torch.equal(with_res, split_forward(runtime.encoder, runtime.decoder, b.sample, b.timestep, b.text,
+                                               b.pooled, b.time_ids, *residuals))
+    assert not torch.equal(with_res, got)
+
+
+def test_modes_a_runtime_lacks_are_refused(runtime):
+    b = random_batch(runtime, rows=1)
+    masked = StepBatch(**{**b.__dict__, "token_masks": torch.ones(1, 64, dtype=torch.bool)})
+    with pytest.raises(NotImplementedError, match="eager runtime cannot serve token subsets"):
+        runtime.encode(masked)
+    patched = StepBatch(**{**b.__dict__, "patches": PatchLayout((0,), ((0, 0),), ((8, 8),))})
+    with pytest.raises(NotImplementedError, match="cannot serve patch batches"):
+        runtime.encode(patched)
+
+
+def test_refit_writes_in_place_and_checks_first(repo):
+    runtime = EagerUNetRuntime(*load_unet_halves(repo / "denoiser" / "1", Placement()))
+    name, param = next(iter(runtime.weights_module.named_parameters()))
+    ptr = param.data_ptr()
+    runtime.refit({name: torch.full_like(param, 0.5)})
+    assert param.data_ptr() == ptr and bool((param == 0.5).all())
+    with pytest.raises(ValueError, match=f"refit: {name} is"):
+        runtime.refit({name: torch.zeros(3)})
+    with pytest.raises(KeyError, match="no weight 'missing'"):
+        runtime.refit({"missing": torch.zeros(1), name: torch.zeros_like(param)})
+    assert bool((param == 0.5).all())  # nothing was written: names are checked before any copy
+
+
+def test_fast_runtimes_need_a_gpu(repo):
+    from backends.core.runtime.torch_fast import FastUNetRuntime
+
+    runtime = EagerUNetRuntime(*load_unet_halves(repo / "denoiser" / "1", Placement()))
+    with pytest.raises(ValueError, match="runtime.kind='graphs' needs a CUDA device"):
+        FastUNetRuntime(runtime, RuntimeConfig(kind="graphs"))
+
+
+def test_runtime_config_rejects_bad_values():
+    with pytest.raises(ValueError, match="row_buckets"):
+        RuntimeConfig(row_buckets=(0, 2))
+    with pytest.raises(ValueError, match="warmup_sizes"):
+        RuntimeConfig(warmup_sizes=((64,),))
+    assert RuntimeConfig(row_buckets=(8, 2)).row_buckets == (2, 8)
+    assert RuntimeConfig(kind="graphs").miss_captures and not RuntimeConfig(kind="compiled").miss_captures
+
+
+def test_builder_wires_a_working_denoiser(repo):
+    """The wiring the Triton adapter runs, on CPU: config -> runtime -> engine -> loop."""
+    config = DenoiserConfig(limits=Limits(), max_running=4, max_batch_rows=4)
+    assert DenoiserConfig.from_json(config.to_json()) == config
+    done, event = [], threading.Event()
+
+    def on_done(result):
+        done.append(result)
+        event.set()
+
+    denoiser = build_denoiser(config, repo / "denoiser" / "1", Placement(), on_done)
+    assert denoiser.engine.runtime.caps.name == "eager" and denoiser.lora_loader is None
+    encoder = PromptEncoder(repo / "text_encoder" / "1", Placement())
+    params = validate({"prompt": "a boat", "steps": 3, "width": 64, "height": 64, "seed": 2}, Limits())
+    embeds, pooled = encoder.encode(params)
+    denoiser.loop.start()
+    try:
+        denoiser.loop.submit(DenoiseJob("r1", params, embeds, pooled))
+        assert event.wait(120)
+    finally:
+        denoiser.shutdown()
+    (result,) = done
+    assert result.error is None and result.steps == 3 and result.latents.shape == (1, 4, 8, 8)
+    assert json.loads(config.to_json())["runtime"]["kind"] == "eager"
