@@ -4,4 +4,4 @@
 # Elsewhere these tests skip with a reason; `make test` runs the other tiers.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-exec python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu "$@"
+exec python3 -m pytest -q -p no:cacheprovider -m gpu tests/gpu tests/unit tests/export "$@"

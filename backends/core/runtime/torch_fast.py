@@ -55,7 +55,8 @@ class _Bucket:
 
     def __init__(self, template: StepBatch, rows: int, channels_last: bool):
         def like(t, memory_format=torch.contiguous_format):
-            return torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=t.device, memory_format=memory_format)
+            return torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=t.device).contiguous(
+                memory_format=memory_format)
 
         self.rows = rows
         self.sample = like(template.sample, torch.channels_last if channels_last else torch.contiguous_format)
@@ -105,8 +106,10 @@ class FastUNetRuntime:
             cache = cache_root / cache
         cache.mkdir(parents=True, exist_ok=True)
         # inductor (and the Triton kernels it writes) read their cache folder at compile time: a
-        # restart finds every graph compiled before and loads it instead of compiling again.
-        os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", str(cache))
+        # restart finds every graph compiled before and loads it instead of compiling again. Set,
+        # not defaulted: inductor writes its default into the environment the first time it looks.
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
+        os.environ["TRITON_CACHE_DIR"] = str(cache / "triton")
         import torch._dynamo
         import torch._inductor.config as inductor
 
