@@ -44,3 +44,26 @@ def tiny(work: Path, adapters: bool = False) -> Path:
     if adapters and not (model / "adapters").exists():
         write_tiny_adapter_store(model)
     return model
+
+
+SDXL_CONTROLNET_EMBEDDING = (16, 32, 96, 256)  # SDXL ControlNets' control image embedding (8x down)
+
+
+def write_controlnets(model: Path, store: Path, names, device: str = "cuda", dtype: str = "fp16",
+                      embedding_channels=SDXL_CONTROLNET_EMBEDDING) -> list[Path]:
+    """ControlNets built from `model`'s UNet (random zero convolutions) in `<store>/controlnets/`,
+    seeded by position in `names`; written once (reused when the last one is present)."""
+    import torch
+    from diffusers import UNet2DConditionModel
+
+    from export.tiny_adapters import write_tiny_controlnets
+
+    folders = [store / "controlnets" / name for name in names]
+    if names and not folders[-1].exists():
+        torch_dtype = torch.float16 if dtype == "fp16" else torch.float32
+        unet = UNet2DConditionModel.from_pretrained(model / "unet", dtype=torch_dtype).to(device)
+        write_tiny_controlnets(store, unet, names=tuple(names), embedding_channels=embedding_channels)
+        del unet
+        if device.startswith("cuda"):
+            torch.cuda.empty_cache()
+    return folders

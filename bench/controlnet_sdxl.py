@@ -20,7 +20,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import bench_parser, random_sdxl, start_logging
+from bench.common import bench_parser, random_sdxl, start_logging, write_controlnets
 
 log = logging.getLogger("bench.controlnet_sdxl")
 NAMES = ("canny", "depth")
@@ -162,18 +162,10 @@ def main() -> None:
     args = p.parse_args()
     start_logging()
 
-    import torch
-    from diffusers import UNet2DConditionModel
-
     from export.repository import ExportOptions, export_repository
-    from export.tiny_adapters import write_tiny_controlnets
 
     model, store = random_sdxl(args.work), args.work / "adapters"
-    if not (store / "controlnets" / NAMES[-1]).exists():
-        unet = UNet2DConditionModel.from_pretrained(model / "unet", dtype=torch.float16).to("cuda")
-        write_tiny_controlnets(store, unet, names=NAMES, embedding_channels=(16, 32, 96, 256))
-        del unet
-        torch.cuda.empty_cache()
+    write_controlnets(model, store, NAMES)
 
     report = {"size": args.size, "steps": args.steps, "runs": args.runs, "dtype": "fp16",
               "cuda_pool_gib": args.cuda_pool_gib}

@@ -55,7 +55,9 @@ def wall_ms_per_step(fn, steps: int) -> float:
 def main() -> None:
     p = bench_parser(__doc__, size=1024, steps=20)
     p.add_argument("--rows", default="2,4,8", help="UNet row counts (2 = one request with guidance)")
-    p.add_argument("--kinds", default="eager,graphs,compiled")
+    p.add_argument("--kinds", default="eager,graphs,compiled",
+                   help="runtimes, each optionally with +cl (channels_last) and/or +fused (plugins' kernels), "
+                        "e.g. graphs,graphs+cl,graphs+fused")
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
     start_logging()
@@ -92,20 +94,24 @@ def main() -> None:
                          torch.full((rows,), 500.0, device="cuda"), t.text.repeat(rows, 1, 1).normal_(generator=g),
                          t.pooled.repeat(rows, 1).normal_(generator=g), t.time_ids.repeat(rows, 1))
 
-    eager = EagerUNetRuntime(*load_unet_halves(folder, where))
-    for kind in kinds:
+    for name in kinds:
+        kind, *options = name.split("+")
+        # Each variant on freshly loaded weights: channels_last and the fused kernels change the modules.
+        eager = EagerUNetRuntime(*load_unet_halves(folder, where))
         if kind == "eager":
             runtime = eager
         else:
             buckets = tuple(rows_list) if kind == "graphs" else (rows_list[0],)
-            runtime = FastUNetRuntime(eager, RuntimeConfig(kind=kind, row_buckets=buckets),
+            runtime = FastUNetRuntime(eager, RuntimeConfig(kind=kind, row_buckets=buckets,
+                                                           channels_last="cl" in options,
+                                                           fused_kernels="fused" in options),
                                       cache_root=args.work / "cache")
             start = time.perf_counter()
             runtime.warmup(template_batch(eager.weights_module, torch.device("cuda:0"), torch.float16),
                            [(latent, latent)])
-            log.info("%s: warm-up (capture%s) %.1f s", kind, " + compile" if kind == "compiled" else "",
+            log.info("%s: warm-up (capture%s) %.1f s", name, " + compile" if kind == "compiled" else "",
                      time.perf_counter() - start)
-        entry = report["runtimes"][kind] = {"warmup_s": getattr(getattr(runtime, "stats", None), "warmup_s", 0.0)}
+        entry = report["runtimes"][name] = {"warmup_s": getattr(getattr(runtime, "stats", None), "warmup_s", 0.0)}
         for rows in rows_list if kind != "compiled" else rows_list[:1]:
             b = batch_of(eager.weights_module, rows)
             with torch.inference_mode():
@@ -117,7 +123,7 @@ def main() -> None:
             entry[str(rows)] = {"unet_ms": statistics.median(both), "encoder_ms": statistics.median(encode),
                                 "decoder_ms": statistics.median(decode), "unet_wall_ms": wall,
                                 "unet_ms_all": both}
-            log.info("%s rows %d: unet %.1f ms (encoder %.1f, decoder %.1f), back-to-back wall %.1f ms", kind, rows,
+            log.info("%s rows %d: unet %.1f ms (encoder %.1f, decoder %.1f), back-to-back wall %.1f ms", name, rows,
                      *(entry[str(rows)][k] for k in ("unet_ms", "encoder_ms", "decoder_ms", "unet_wall_ms")))
 
         # A whole engine step (one request with guidance = 2 rows) against the halves alone.
@@ -139,15 +145,13 @@ def main() -> None:
                 torch.cuda.synchronize()
         table = prof.key_averages().table(sort_by="cpu_time_total", row_limit=25)
         args.out.parent.mkdir(parents=True, exist_ok=True)
-        (args.out.parent / f"step_profile_{kind}.txt").write_text(table)
+        (args.out.parent / f"step_profile_{name.replace('+', '_')}.txt").write_text(table)
         entry["engine_step_wall_ms"] = step_wall
         entry["unet_only_wall_ms"] = unet_wall
         entry["orchestration_fraction"] = max(0.0, (step_wall - unet_wall) / step_wall)
-        log.info("%s: engine step %.1f ms wall, UNet halves alone %.1f ms: orchestration %.1f%% of a step", kind,
+        log.info("%s: engine step %.1f ms wall, UNet halves alone %.1f ms: orchestration %.1f%% of a step", name,
                  step_wall, unet_wall, 100 * entry["orchestration_fraction"])
-        del engine, state
-        if kind != "eager":
-            del runtime
+        del engine, state, runtime, eager
         torch.cuda.empty_cache()
         args.out.write_text(json.dumps(report, indent=2))  # after each runtime: a later one may not finish
     log.info("wrote %s", args.out)

@@ -91,6 +91,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in EXPORT_COMMANDS.items():
         # Parsed by export.cli; registered here only so `easel --help` lists them.
         sub.add_parser(name, help=text, add_help=False)
+    # Parsed by bench/easel_bench.py (GPU machine; --cpu-smoke anywhere).
+    sub.add_parser("bench", help="Easel against diffusers eager/compiled in one run: latency, throughput, "
+                                 "stages, PSNR, cold start", add_help=False)
     return parser
 
 
@@ -261,6 +264,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             logging.basicConfig(level=logging.DEBUG if argv[:i] else logging.INFO,
                                 format="%(levelname)s %(name)s: %(message)s")
             return forward_to_export(first, argv[i + 1:])
+
+    if first == "bench" and argv.index(first) == 0:
+        from bench.easel_bench import main as bench_main
+
+        return int(bench_main(argv[1:]) or 0)
 
     args = build_parser().parse_args(argv)
     logging.basicConfig(level=logging.DEBUG if args.verbose else logging.INFO,

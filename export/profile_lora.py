@@ -47,7 +47,8 @@ def profile_loras(repo: str | Path, names: list[str] | None = None, steps: int =
     from backends.core.adapters.store import AdapterStore
     from backends.core.engine.denoiser import TorchDenoiser
     from backends.core.adapters.lora import load_lora
-    from backends.core.request.params import Limits, LoraParams, validate
+    from backends.core.engine.config import DenoiserConfig
+    from backends.core.request.params import LoraParams, validate
     from backends.core.runtime.placement import Placement
     from backends.core.stages.text_encoding import PromptEncoder
     from export.triton_config import read_parameters
@@ -60,7 +61,7 @@ def profile_loras(repo: str | Path, names: list[str] | None = None, steps: int =
     device = "cuda:0" if "KIND_GPU" in (denoiser / "config.pbtxt").read_text() else "cpu"
     placement = Placement(device, params.get("dtype", "fp32"))
     store = AdapterStore(repo / params["adapters"])
-    limits = Limits.from_json(params["limits"])
+    limits = DenoiserConfig.from_json(params["denoiser"]).limits
     engine = TorchDenoiser(denoiser / "1", placement)
     encoder = PromptEncoder(repo / "text_encoder" / "1", placement, store)
     size = size or limits.default_width

@@ -156,13 +156,24 @@ def test_denoiser_on_graphs_reproduces_the_eager_denoiser(repo):
 
 
 def test_compiled_equals_eager(repo):
+    import dataclasses
+
+    from torch._dynamo.utils import counters
+
     eager, fast = runtimes(repo, "fp16", RuntimeConfig(kind="compiled", row_buckets=(2,)))
     b = batch(eager.weights_module, 2)
     assert rel_err(step(fast, b), step(eager, b)) <= COMPILED_TOL  # no bucket yet: a miss runs eager
     assert fast.stats.misses == {(8, 8): 1} and fast.stats.captures == 0  # compiling is for warm-up only
     fast.warmup(batch(eager.weights_module, 1), [(8, 8)])
-    assert rel_err(step(fast, b), step(eager, b)) <= COMPILED_TOL
-    assert fast.caps.compiled and fast.stats.captures == 2 and fast.stats.graph_steps == 1
+    compiles = counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"]
+    fast.config = dataclasses.replace(fast.config, row_buckets=(4,))
+    fast.warmup(batch(eager.weights_module, 1), [(8, 8)])
+    # The row count is dynamic for the compiler: the second bucket reuses the first one's compile.
+    assert counters["inductor"]["fxgraph_cache_miss"] + counters["inductor"]["fxgraph_cache_hit"] == compiles
+    for rows in (2, 3):
+        b = batch(eager.weights_module, rows, seed=rows)
+        assert rel_err(step(fast, b), step(eager, b)) <= COMPILED_TOL
+    assert fast.caps.compiled and fast.stats.captures == 4 and fast.stats.graph_steps == 2
 
 
 _COLD_START = """

@@ -44,6 +44,18 @@ class RuntimeCaps:
     patches: bool = False  # StepBatch.patches (mixed resolutions)
 
 
+@dataclass
+class RuntimeStats:
+    """Counters the metrics thread reads (plain ints and floats; written by the loop thread)."""
+
+    graph_steps: int = 0
+    eager_steps: int = 0
+    captures: int = 0
+    capture_s: float = 0.0
+    warmup_s: float = 0.0  # capturing (and compiling) the configured buckets at load
+    misses: dict = field(default_factory=dict)  # shape -> steps run eager for want of a bucket
+
+
 @dataclass(frozen=True)
 class LoraSegment:
     """Rows of the batch that carry their own LoRA set, applied as unmerged low-rank terms."""
@@ -101,6 +113,7 @@ Residuals = tuple[list["torch.Tensor"], "torch.Tensor"]  # ControlNets' summed (
 
 class UNetRuntime(Protocol):
     caps: RuntimeCaps
+    stats: RuntimeStats
     # The module whose parameters are this runtime's weights: a LoRA merge writes into them in
     # place (caps.inplace_refit), which captured graphs see.
     weights_module: nn.Module

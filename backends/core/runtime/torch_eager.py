@@ -12,7 +12,8 @@ from contextlib import nullcontext
 import torch
 
 from backends.core.adapters.lora import ModelLayers, UnmergedLoras
-from backends.core.runtime.base import EncoderOut, Residuals, RuntimeCaps, StepBatch, check_batch, refit_in_place
+from backends.core.runtime.base import (EncoderOut, Residuals, RuntimeCaps, RuntimeStats, StepBatch, check_batch,
+                                        refit_in_place)
 from backends.core.runtime.unet_split import UNetDecoder, UNetEncoder
 
 
@@ -24,10 +25,12 @@ class EagerUNetRuntime:
         self.encoder = encoder
         self.decoder = decoder
         self.layers = ModelLayers(unet)
+        self.stats = RuntimeStats()
 
     @torch.inference_mode()
     def encode(self, batch: StepBatch) -> EncoderOut:
         check_batch(self.caps, batch)
+        self.stats.eager_steps += 1
         with self._loras(batch):
             emb, mid, skips = self.encoder(batch.sample, batch.timestep, batch.text, batch.pooled, batch.time_ids)
         return EncoderOut(emb, mid, skips)

@@ -25,29 +25,17 @@ import logging
 import os
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
-from backends.core.runtime.base import EncoderOut, Residuals, RuntimeCaps, StepBatch, check_batch, refit_in_place
+from backends.core.runtime.base import (EncoderOut, Residuals, RuntimeCaps, RuntimeStats, StepBatch, check_batch,
+                                        refit_in_place)
 from backends.core.runtime.config import RuntimeConfig
 from backends.core.runtime.torch_eager import EagerUNetRuntime
 
 log = logging.getLogger(__name__)
 WARMUP_RUNS = 2  # before a capture: cuDNN/cuBLAS pick their algorithms, compile finishes, allocations settle
-
-
-@dataclass
-class RuntimeStats:
-    """Counters the metrics thread reads (plain ints and floats; written by the loop thread)."""
-
-    graph_steps: int = 0
-    eager_steps: int = 0
-    captures: int = 0
-    capture_s: float = 0.0
-    warmup_s: float = 0.0  # capturing (and compiling) the configured buckets at load
-    misses: dict = field(default_factory=dict)  # shape -> steps run eager for want of a bucket
 
 
 class _Bucket:
@@ -87,7 +75,7 @@ class FastUNetRuntime:
         self.device = device
         self.weights_module = eager.weights_module
         self.caps = RuntimeCaps(name=config.kind, graphs=True, compiled=config.kind == "compiled")
-        self.stats = RuntimeStats()
+        self.stats = eager.stats  # one account: the eager runtime counts the steps it runs for us
         self.pool = torch.cuda.graph_pool_handle()
         self.buckets: dict[tuple, _Bucket] = {}
         if config.fused_kernels:
@@ -110,15 +98,16 @@ class FastUNetRuntime:
         # not defaulted: inductor writes its default into the environment the first time it looks.
         os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
         os.environ["TRITON_CACHE_DIR"] = str(cache / "triton")
-        import torch._dynamo
         import torch._inductor.config as inductor
+        from torch._dynamo import config as dynamo
 
         inductor.fx_graph_cache = True
-        for knob in ("cache_size_limit", "recompile_limit"):  # one recompile per bucket shape
-            if hasattr(torch._dynamo.config, knob):
-                setattr(torch._dynamo.config, knob, 256)
-        self.enc_fn = torch.compile(self.eager.encoder, dynamic=False)
-        self.dec_fn = torch.compile(self.eager.decoder, dynamic=False)
+        for knob in ("cache_size_limit", "recompile_limit"):  # one recompile per latent size at most
+            if hasattr(dynamo, knob):
+                setattr(dynamo, knob, 256)
+        # dynamic=None: the row count is marked dynamic at capture (_graphed); latent sizes specialize.
+        self.enc_fn = torch.compile(self.eager.encoder)
+        self.dec_fn = torch.compile(self.eager.decoder)
         log.info("compiling the UNet halves (inductor cache %s)", os.environ["TORCHINDUCTOR_CACHE_DIR"])
 
     # --- the contract ---
@@ -128,7 +117,6 @@ class FastUNetRuntime:
         check_batch(self.caps, batch)
         bucket = self._bucket(batch)
         if bucket is None:
-            self.stats.eager_steps += 1
             return self.eager.encode(batch)
         bucket.load(batch)
         bucket.encoder.replay()
@@ -200,7 +188,7 @@ class FastUNetRuntime:
         bucket = _Bucket(batch, rows, self.config.channels_last)
         bucket.load(batch)
         args = (bucket.sample, bucket.timestep, bucket.text, bucket.pooled, bucket.time_ids)
-        bucket.encoder, bucket.enc_out = _graphed(self.enc_fn, args, self.pool)
+        bucket.encoder, bucket.enc_out = _graphed(self.enc_fn, args, self.pool, self.caps.compiled)
         self.buckets[self._key(batch, rows)] = bucket
         self._captured(start, "encoder", rows)
         return bucket
@@ -213,7 +201,8 @@ class FastUNetRuntime:
         start = time.perf_counter()
         emb, mid, skips = bucket.enc_out
         buffers = ([torch.zeros_like(s) for s in skips], torch.zeros_like(mid)) if with_res else None
-        graph, noise = _graphed(self.dec_fn, (emb, mid, skips, bucket.text, *(buffers or (None, None))), self.pool)
+        graph, noise = _graphed(self.dec_fn, (emb, mid, skips, bucket.text, *(buffers or (None, None))), self.pool,
+                                self.caps.compiled)
         bucket.decoders[with_res] = (graph, noise, buffers)
         self._captured(start, "decoder (with residuals)" if with_res else "decoder", bucket.rows)
         return True
@@ -225,8 +214,15 @@ class FastUNetRuntime:
         log.info("captured the %s graph for %s rows in %.2f s", what, rows, seconds)
 
 
-def _graphed(fn, args, pool) -> tuple[torch.cuda.CUDAGraph, object]:
-    """Warm `fn` up on a side stream, capture it into a CUDA graph, return it and its static outputs."""
+def _graphed(fn, args, pool, compiled: bool = False) -> tuple[torch.cuda.CUDAGraph, object]:
+    """Warm `fn` up on a side stream, capture it into a CUDA graph, return it and its static outputs.
+    A compiled `fn` sees the row count as dynamic: one compile serves every row bucket (compiling
+    the SDXL halves took 83 s per shape on the H200), each bucket still gets its own graph."""
+    if compiled:
+        from torch._dynamo import maybe_mark_dynamic
+
+        for t in _tensors(args):
+            maybe_mark_dynamic(t, 0)
     current = torch.cuda.current_stream()
     side = torch.cuda.Stream()
     side.wait_stream(current)
@@ -239,6 +235,14 @@ def _graphed(fn, args, pool) -> tuple[torch.cuda.CUDAGraph, object]:
     with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
         out = fn(*args)
     return graph, out
+
+
+def _tensors(args):
+    for a in args:
+        if isinstance(a, torch.Tensor):
+            yield a
+        elif isinstance(a, (tuple, list)):
+            yield from _tensors(a)
 
 
 def _resized(template: StepBatch, rows: int, h: int, w: int) -> StepBatch:

@@ -1,0 +1,1033 @@
+"""`easel bench`: Easel through tritonserver against what a diffusers user runs, in one run.
+
+One configuration per run (`--controlnets M --loras N`, default 0C/0L), SDXL base's architecture
+with random fp16 weights (no model hub here: the cost is real, the pictures are noise):
+
+- Easel: write the model, export the repository with the chosen UNet runtime, start tritonserver
+  twice (launch -> ready with the compile cache empty, then again on the same repository with it
+  warm: cold start), then through gRPC: a warm-up request, `--runs` single requests (p50/p95 and
+  the server's stage breakdown), throughput at each `--concurrency` (c clients at once, a few
+  rounds), and the server's Prometheus metrics (every easel_* family, Triton's per-model
+  inference counters and GPU gauges).
+- diffusers, after the server has stopped (never both on the GPU at once), on the same weights,
+  dtype, size, steps, seeds and scheduler (EulerDiscreteScheduler, as the request's `euler`):
+  eager StableDiffusionXLPipeline (latency; throughput as one call batching c prompts), then the
+  same with `pipe.unet = torch.compile(pipe.unet, mode="reduce-overhead")` (CUDA graphs; default
+  mode if that fails, recorded), after a warm-up call per batch size.
+- Fidelity: Easel's image of seed 0 against diffusers' eager image of seed 0 (PSNR, SSIM).
+
+Writes `<out>/results.json` (merged with an existing one: another configuration is added, the
+phases of the same configuration measured now replace the old ones), `<out>/results.md`,
+`<out>/latency.png`, `<out>/throughput.png`, and the seed-0 images under `<out>/images/`.
+
+    python3 -m bench.easel_bench --runs 3 --concurrency 1,4,8 --runtime graphs
+    python3 -m bench.easel_bench --cpu-smoke --work /tmp/easel-smoke --out /tmp/easel-smoke/out
+    python3 -m bench.easel_bench --replot bench/results/2026-11-22-h200
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import copy
+import dataclasses
+import datetime
+import gc
+import importlib.metadata
+import io
+import json
+import logging
+import math
+import os
+import re
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger("bench.easel_bench")
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PROMPT = "a yellow car"
+GUIDANCE = 5.0
+SCHEDULER = "euler"  # Easel's name for diffusers' EulerDiscreteScheduler, the model's own
+WARMUP_STEPS = 3  # warm-up calls: compile, then CUDA-graph record, then a replay (reduce-overhead)
+LORA_SCALE = 0.8
+LORA_STD = 1e-3
+CONTROLNET_NAMES = ("canny", "depth")  # the ControlNet bench's names (same seeds: same files); then cn<i>
+METRIC_PREFIXES = ("easel_", "nv_inference_", "nv_gpu_")
+SERVER_CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+SYSTEMS = ("easel", "diffusers_eager", "diffusers_compiled")
+LABELS = {"easel": "Easel", "diffusers_eager": "diffusers eager", "diffusers_compiled": "diffusers compiled"}
+REQUIRED_TOP = ("gpu", "driver", "versions", "command", "date", "configs")
+REQUIRED_CONFIG = ("name", "gpus", "steps", "size", "easel_p50_s", "easel_p95_s", "diffusers_eager_p50_s",
+                   "diffusers_compiled_p50_s", "throughput_img_s")
+
+
+# --- command line ----------------------------------------------------------------------------
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="easel bench", description=__doc__.splitlines()[0],
+        epilog="GPU defaults shown; --cpu-smoke runs the tiny model on CPU at 64 px, 4 steps, 2 runs, concurrency 1,2.")
+    p.add_argument("--work", type=Path, default=None,
+                   help="models, adapters and repositories (default: <tmp>/easel-bench, reused between runs)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results folder (default: bench/results/<YYYY-MM-DD>-<gpu>/)")
+    p.add_argument("--size", type=int, default=None, help="image width and height in px (1024)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps of the latency requests (50)")
+    p.add_argument("--throughput-steps", type=int, default=None, help="steps of the throughput requests (30)")
+    p.add_argument("--runs", type=int, default=None, help="timed single requests per system (5)")
+    p.add_argument("--concurrency", type=_int_list, default=None, help="concurrency levels, comma-separated (1,2,4,8)")
+    p.add_argument("--throughput-rounds", type=int, default=None,
+                   help="Easel: rounds of c concurrent requests per level (default max(2, 8 // c); smoke 2); "
+                        "diffusers makes one batched call per level")
+    p.add_argument("--runtime", choices=("eager", "graphs", "compiled"), default=None,
+                   help="Easel's UNet runtime (export --runtime; default: export's, compiled on a GPU)")
+    p.add_argument("--row-buckets", type=_int_list, default=None,
+                   help="Easel: UNet row counts captured at load (default: export's, 2,4,8,16)")
+    p.add_argument("--controlnets", type=int, default=0, help="ControlNets per request (random SDXL-size ones)")
+    p.add_argument("--loras", type=int, default=0, help="LoRAs per request (random SDXL-size ones)")
+    p.add_argument("--lora-mib", type=float, default=340.0, help="size of each random LoRA file (fp16)")
+    p.add_argument("--gpus", type=_int_list, default=(0,), help="Easel's GPU ids (one denoiser each); "
+                   "diffusers runs on the first")
+    p.add_argument("--skip-easel", action="store_true", help="keep Easel's results already in --out")
+    p.add_argument("--skip-diffusers-eager", action="store_true", help="keep those already in --out")
+    p.add_argument("--skip-diffusers-compiled", action="store_true", help="keep those already in --out (or none)")
+    p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a server start may take")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="the whole run on CPU with the tiny model (fp32, eager, no torch.compile): tests the script")
+    p.add_argument("--replot", type=Path, default=None, metavar="DIR",
+                   help="only rewrite DIR/results.md and the plots from DIR/results.json")
+    return p
+
+
+def _int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more non-negative integers")
+    return values
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """The resolved settings of one run."""
+
+    work: Path
+    device: str  # cpu | cuda
+    dtype: str  # fp16 | fp32
+    size: int
+    steps: int
+    throughput_steps: int
+    runs: int
+    concurrency: tuple[int, ...]
+    rounds: int | None
+    runtime: str | None
+    row_buckets: tuple[int, ...] | None
+    controlnets: int
+    loras: int
+    lora_mib: float
+    gpus: tuple[int, ...]
+    ready_timeout: float
+    smoke: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.controlnets}C/{self.loras}L"
+
+    @property
+    def torch_device(self) -> str:
+        return f"cuda:{self.gpus[0]}" if self.device == "cuda" else "cpu"
+
+    @property
+    def resolved_runtime(self) -> str:
+        from backends.core.runtime.config import default_kind
+
+        return self.runtime or default_kind(self.device)
+
+    def easel_rounds(self, c: int) -> int:
+        return self.rounds or (2 if self.smoke else max(2, 8 // c))
+
+
+def resolve(args: argparse.Namespace) -> Setup:
+    smoke = args.cpu_smoke
+    if smoke and args.runtime not in (None, "eager"):
+        raise SystemExit(f"easel bench: --cpu-smoke runs the eager runtime, not {args.runtime}")
+    defaults = dict(size=64, steps=4, throughput_steps=4, runs=2, concurrency=(1, 2)) if smoke else dict(
+        size=1024, steps=50, throughput_steps=30, runs=5, concurrency=(1, 2, 4, 8))
+    pick = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
+    if min(pick["concurrency"]) < 1 or pick["runs"] < 1:
+        raise SystemExit("easel bench: --runs and every --concurrency level must be at least 1")
+    work = args.work or Path(tempfile.gettempdir()) / ("easel-bench-smoke" if smoke else "easel-bench")
+    return Setup(work=work, device="cpu" if smoke else "cuda", dtype="fp32" if smoke else "fp16",
+                 runtime="eager" if smoke else args.runtime, rounds=args.throughput_rounds,
+                 row_buckets=args.row_buckets, controlnets=args.controlnets, loras=args.loras,
+                 lora_mib=0.25 if smoke else args.lora_mib, gpus=tuple(args.gpus), ready_timeout=args.ready_timeout,
+                 smoke=smoke, **pick)
+
+
+# --- the host ----------------------------------------------------------------------------------
+
+
+def gpu_name(setup: Setup) -> str:
+    if setup.device != "cuda":
+        return "cpu"
+    import torch
+
+    return torch.cuda.get_device_name(setup.gpus[0])
+
+
+def gpu_slug(name: str, count: int = 1) -> str:
+    """'NVIDIA H200' -> 'h200'; two of them -> 'h200x2'."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-") or "gpu"
+    return f"{slug}x{count}" if count > 1 else slug
+
+
+def driver_version() -> str | None:
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = done.stdout.strip().splitlines()
+    return lines[0].strip() if lines else None
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": sys.version.split()[0]}
+    for package in ("torch", "diffusers", "transformers", "triton", "tritonclient", "nvidia-pytriton", "numpy"):
+        try:
+            out[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            out[package] = None
+    try:
+        import torch
+
+        out["torch"], out["cuda"] = torch.__version__, torch.version.cuda
+    except ImportError:
+        pass
+    return out
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+# --- statistics and the summary of one configuration --------------------------------------------
+
+
+def percentile(samples, q: float) -> float | None:
+    """Linear interpolation between order statistics (numpy's default); None without samples."""
+    return float(np.percentile(np.asarray(samples, dtype=float), q)) if samples else None
+
+
+def _ratio(a, b) -> float | None:
+    return a / b if a is not None and b else None
+
+
+def _phase(entry: dict, system: str) -> dict:
+    """A phase's record when it measured something (not skipped, not failed before its samples)."""
+    rec = entry.get(system) or {}
+    return rec if rec.get("latency_s") else {}
+
+
+def finalize(entry: dict, images: Path | None = None) -> dict:
+    """Fill the summary fields of one configuration from its raw sections (in place)."""
+    for system in SYSTEMS:
+        samples = _phase(entry, system).get("latency_s") or []
+        entry[f"{system}_p50_s"] = percentile(samples, 50)
+        entry[f"{system}_p95_s"] = percentile(samples, 95)
+    entry["ratio_easel_over_diffusers_eager"] = _ratio(entry["easel_p50_s"], entry["diffusers_eager_p50_s"])
+    entry["ratio_easel_over_diffusers_compiled"] = _ratio(entry["easel_p50_s"], entry["diffusers_compiled_p50_s"])
+    levels = sorted({int(c) for system in SYSTEMS for c in (entry.get(system) or {}).get("throughput", {})})
+    entry["throughput_img_s"] = {
+        str(c): {system: ((entry.get(system) or {}).get("throughput", {}).get(str(c)) or {}).get("img_s")
+                 for system in SYSTEMS} for c in levels}
+    easel = entry.get("easel") or {}
+    entry["easel_stages_median_s"] = easel.get("stages_median_s")
+    cold = easel.get("cold_start_s") or {}
+    entry["cold_start_first_s"], entry["cold_start_second_s"] = cold.get("first"), cold.get("second")
+    entry["easel_runtime"] = easel.get("runtime") or entry.get("runtime")
+    entry["diffusers_compile_mode"] = (entry.get("diffusers_compiled") or {}).get("mode")
+    if images is not None:
+        entry["fidelity"] = compare_images(images, entry["name"], "easel", "diffusers_eager",
+                                           entry["easel_runtime"])
+        entry["fidelity_compiled_vs_eager"] = compare_images(images, entry["name"], "diffusers_compiled",
+                                                             "diffusers_eager")
+    entry.setdefault("fidelity", None)
+    return entry
+
+
+def image_path(images: Path, name: str, system: str, runtime: str | None = None) -> Path:
+    """The seed-0 image of a configuration's system (Easel's per runtime)."""
+    tag = f"{system}-{runtime}" if system == "easel" and runtime else system
+    return images / f"{name.replace('/', '-')}-{tag}-seed0.png"
+
+
+def compare_images(images: Path, name: str, system: str, reference: str, runtime: str | None = None) -> dict | None:
+    """PSNR and SSIM of `system`'s seed-0 image against `reference`'s (uint8 RGB), if both exist."""
+    from PIL import Image
+
+    from backends.core.stages import image_metrics
+
+    a_path, b_path = image_path(images, name, system, runtime), image_path(images, name, reference)
+    if not (a_path.is_file() and b_path.is_file()):
+        return None
+    a = np.asarray(Image.open(a_path).convert("RGB"))
+    b = np.asarray(Image.open(b_path).convert("RGB"))
+    if a.shape != b.shape:
+        return {"error": f"shapes differ: {a.shape} vs {b.shape}"}
+    diff = np.abs(a.astype(np.int16) - b.astype(np.int16))
+    psnr = image_metrics.psnr(a, b)
+    out = {"image": a_path.name, "reference": b_path.name, "identical": bool(diff.max() == 0),
+           # None when identical (infinite PSNR: JSON has no infinity)
+           "psnr_db": None if math.isinf(psnr) else psnr,
+           "max_abs_diff": int(diff.max()), "mean_abs_diff": float(diff.mean())}
+    if hasattr(image_metrics, "ssim"):
+        out["ssim"] = image_metrics.ssim(a, b)
+    return out
+
+
+def validate(results: dict) -> list[str]:
+    """The required keys that are missing (empty when the file has the agreed layout)."""
+    missing = [k for k in REQUIRED_TOP if k not in results]
+    for index, entry in enumerate(results.get("configs", [])):
+        missing += [f"configs[{index}].{k}" for k in REQUIRED_CONFIG if k not in entry]
+        for c, row in (entry.get("throughput_img_s") or {}).items():
+            missing += [f"configs[{index}].throughput_img_s[{c}].{s}" for s in SYSTEMS if s not in row]
+    return missing
+
+
+# --- the report ------------------------------------------------------------------------------
+
+
+def _s(value, digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}"
+
+
+def _x(value) -> str:
+    return "n/a" if value is None else f"{value:.2f}x"
+
+
+def markdown(results: dict) -> str:
+    """results.json as Markdown tables."""
+    configs = results.get("configs", [])
+    gpu = results.get("gpu")
+    v = results.get("versions") or {}
+    lines = [f"# Easel bench: {gpu}, {results.get('date')}", "",
+             f"Driver {results.get('driver') or 'n/a'}; "
+             + ", ".join(f"{k} {val}" for k, val in v.items() if val) + ".", "",
+             "Command: `" + " ".join(results.get("command") or []) + "`", "",
+             ("CPU smoke: the tiny random model, fp32; this tests the script, it measures nothing. " if gpu == "cpu"
+              else "Random weights, SDXL base's shapes. ")
+             + "Latency: one request at a time, seeds 0..runs-1, "
+             f"guidance {GUIDANCE}, Euler. Easel's time is the client's (gRPC, PNG encoding included); "
+             "diffusers' ends at the PIL images in memory. p95 of a few samples is close to their maximum."
+             + (" LoRAs: Easel loads them per request (from the page cache) and merges them; diffusers loads, "
+                "fuses and unloads them once before timing (a fixed style)." if any(e.get("loras") for e in configs)
+                else ""), "",
+             "## Latency", "",
+             "| configuration | GPU | size | steps | Easel runtime | Easel p50 / p95 | diffusers eager p50 / p95 "
+             "| diffusers compiled p50 / p95 (mode) | Easel / eager | Easel / compiled |",
+             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for e in configs:
+        lines.append(
+            f"| {e['name']} | {gpu} x{len(e.get('gpus') or [0])} | {e['size']} | {e['steps']} "
+            f"| {e.get('easel_runtime') or 'n/a'} "
+            f"| {_s(e.get('easel_p50_s'))} / {_s(e.get('easel_p95_s'))} s "
+            f"| {_s(e.get('diffusers_eager_p50_s'))} / {_s(e.get('diffusers_eager_p95_s'))} s "
+            f"| {_s(e.get('diffusers_compiled_p50_s'))} / {_s(e.get('diffusers_compiled_p95_s'))} s "
+            f"({e.get('diffusers_compile_mode') or 'n/a'}) "
+            f"| {_x(e.get('ratio_easel_over_diffusers_eager'))} | {_x(e.get('ratio_easel_over_diffusers_compiled'))} |")
+    lines += ["", "## Throughput (images/s)", "",
+              "Easel: c clients send at once, a few rounds, images / wall time. "
+              "diffusers: one call with c prompts.", "",
+              "| configuration | steps | concurrency | Easel | diffusers eager | diffusers compiled | Easel / eager "
+              "| Easel / compiled |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for e in configs:
+        for c, row in (e.get("throughput_img_s") or {}).items():
+            lines.append(f"| {e['name']} | {e.get('throughput_steps', 'n/a')} | {c} | {_s(row.get('easel'))} "
+                         f"| {_s(row.get('diffusers_eager'))} | {_s(row.get('diffusers_compiled'))} "
+                         f"| {_x(_ratio(row.get('easel'), row.get('diffusers_eager')))} "
+                         f"| {_x(_ratio(row.get('easel'), row.get('diffusers_compiled')))} |")
+    stage_names = sorted({k for e in configs for k in (e.get("easel_stages_median_s") or {})})
+    if stage_names:
+        lines += ["", "## Easel stages (median seconds of the latency requests, from each response's `info`)", "",
+                  "| configuration | " + " | ".join(stage_names) + " |",
+                  "| --- |" + " --- |" * len(stage_names)]
+        for e in configs:
+            stages = e.get("easel_stages_median_s") or {}
+            lines.append(f"| {e['name']} | " + " | ".join(_s(stages.get(k), 4) for k in stage_names) + " |")
+    lines += ["", "## Cold start", "",
+              "Easel: launch to ready, first start with the repository's compile cache empty, second start on the "
+              "same repository. Runtime warm-up: `easel_runtime_warmup_seconds` (capturing/compiling buckets at load). "
+              "diffusers: the first call of the compiled UNet (compiling included).", "",
+              "| configuration | Easel runtime | export s | first start s | second start s | runtime warm-up s "
+              "(first / second) | diffusers load s | diffusers compile + first call s |",
+              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for e in configs:
+        easel = e.get("easel") or {}
+        warm = easel.get("runtime_warmup_s") or {}
+        compiled = e.get("diffusers_compiled") or {}
+        lines.append(f"| {e['name']} | {e.get('easel_runtime') or 'n/a'} | {_s(easel.get('export_s'), 1)} "
+                     f"| {_s(e.get('cold_start_first_s'), 1)} | {_s(e.get('cold_start_second_s'), 1)} "
+                     f"| {_s(warm.get('first'), 1)} / {_s(warm.get('second'), 1)} "
+                     f"| {_s((e.get('diffusers_eager') or {}).get('load_s'), 1)} "
+                     f"| {_s(compiled.get('compile_s'), 1)} |")
+    lines += ["", "## Image fidelity (seed 0)", "",
+              "| configuration | compared | PSNR dB | SSIM | max abs diff (uint8) |", "| --- | --- | --- | --- | --- |"]
+    for e in configs:
+        for label, f in (("Easel vs diffusers eager", e.get("fidelity")),
+                         ("diffusers compiled vs eager", e.get("fidelity_compiled_vs_eager"))):
+            if not f or "error" in f:
+                lines.append(f"| {e['name']} | {label} | {(f or {}).get('error', 'n/a')} | | |")
+                continue
+            psnr = "inf (identical)" if f.get("identical") else _s(f.get("psnr_db"), 2)
+            lines.append(f"| {e['name']} | {label} | {psnr} | {_s(f.get('ssim'), 5)} | {f.get('max_abs_diff')} |")
+    failures = [(e["name"], s, (e.get(s) or {}).get("error")) for e in configs for s in SYSTEMS
+                if (e.get(s) or {}).get("error")]
+    if failures:
+        lines += ["", "## Failures", ""] + [f"- {n} {LABELS[s]}: {err.splitlines()[0]}" for n, s, err in failures]
+    lines += ["", "Plots: `latency.png` (p50, whiskers to p95), `throughput.png`. Raw samples, per-request `info`, "
+              "and the server's metrics: `results.json`.", ""]
+    return "\n".join(lines)
+
+
+def plot(results_json_path: str | Path) -> list[Path]:
+    """latency.png and throughput.png beside results.json (regenerable from committed JSON)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    path = Path(results_json_path)
+    results = json.loads(path.read_text())
+    configs = results.get("configs", [])
+    colors = {"easel": "#1f77b4", "diffusers_eager": "#ff7f0e", "diffusers_compiled": "#2ca02c"}
+    written = []
+
+    fig, ax = plt.subplots(figsize=(max(6.5, 2.4 * len(configs) + 2.5), 4.8))
+    width = 0.27
+    top = max([e.get(f"{s}_p95_s") or e.get(f"{s}_p50_s") or 0.0 for e in configs for s in SYSTEMS] + [1e-9])
+    handles = []
+    for j, system in enumerate(SYSTEMS):
+        xs, p50s, ups = [], [], []
+        for i, e in enumerate(configs):
+            x, p50, p95 = i + (j - 1) * width, e.get(f"{system}_p50_s"), e.get(f"{system}_p95_s")
+            if p50 is None:
+                ax.text(x, 0.02 * top, "n/a", ha="center", va="bottom", fontsize=8, color=colors[system])
+                continue
+            xs.append(x)
+            p50s.append(p50)
+            ups.append(max(0.0, (p95 if p95 is not None else p50) - p50))
+            ax.text(x, p50 + ups[-1] + 0.015 * top, f"{p50:.2f}", ha="center", va="bottom", fontsize=8)
+        if xs:
+            ax.bar(xs, p50s, width, yerr=[[0.0] * len(ups), ups], capsize=4, color=colors[system])
+        handles.append(Patch(color=colors[system], label=LABELS[system] + ("" if xs else ": n/a")))
+    ax.set_xlim(-0.6, len(configs) - 0.4)
+    ax.set_ylim(0, top * 1.32)  # room for the legend above the bars
+    ax.set_xticks(range(len(configs)))
+    ax.set_xticklabels([f"{e['name']}\n{e['size']} px, {e['steps']} steps\nEasel {e.get('easel_runtime') or '?'}"
+                        for e in configs])
+    ax.set_ylabel("seconds per image (bar: p50; whisker: p95)")
+    ax.set_title(f"Latency, one request at a time: {results.get('gpu')}")
+    ax.grid(axis="y", alpha=0.3)
+    ax.legend(handles=handles, loc="upper center", ncol=3, fontsize=9)
+    fig.tight_layout()
+    written.append(path.parent / "latency.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+
+    fig, axes = plt.subplots(1, max(1, len(configs)), figsize=(5.0 * max(1, len(configs)), 4.2), squeeze=False)
+    for ax, e in zip(axes[0], configs):
+        rows = e.get("throughput_img_s") or {}
+        levels = sorted(int(c) for c in rows)
+        for system in SYSTEMS:
+            points = [(c, rows[str(c)].get(system)) for c in levels if rows[str(c)].get(system) is not None]
+            if points:
+                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=colors[system],
+                        label=LABELS[system])
+        ax.set_xticks(levels)
+        ax.set_xlabel("concurrent requests (diffusers: batch size)")
+        ax.set_ylabel("images / s")
+        ax.set_title(f"{e['name']}, {e['size']} px, {e.get('throughput_steps', '?')} steps, "
+                     f"Easel {e.get('easel_runtime') or e.get('runtime') or '?'}", fontsize=11)
+        ax.set_ylim(bottom=0)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=9)
+    fig.suptitle(f"Throughput: {results.get('gpu')}")
+    fig.tight_layout()
+    written.append(path.parent / "throughput.png")
+    fig.savefig(written[-1], dpi=120)
+    plt.close(fig)
+    return written
+
+
+def write_report(results: dict, out: Path, final: bool = False) -> None:
+    """results.json and results.md as far as measured (a time limit still leaves them); the final
+    write also compares the images and draws the plots."""
+    out.mkdir(parents=True, exist_ok=True)
+    for entry in results["configs"]:
+        finalize(entry, out / "images" if final else None)
+    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    (out / "results.md").write_text(markdown(results))
+    if final:
+        try:
+            plot(out / "results.json")
+        except ImportError as exc:  # the GPU image may lack matplotlib: --replot elsewhere
+            log.warning("no plots (%s); rerun with --replot %s where matplotlib is installed", exc, out)
+
+
+def load_results(out: Path) -> dict:
+    path = out / "results.json"
+    if path.is_file():
+        results = json.loads(path.read_text())
+        log.info("merging into %s (configurations: %s)", path, [e.get("name") for e in results.get("configs", [])])
+        return results
+    return {"configs": []}
+
+
+def config_entry(results: dict, setup: Setup, skip: set[str] = frozenset()) -> dict:
+    """This run's configuration in `results`: the existing entry of the same name, size, steps,
+    GPUs and Easel runtime (phases measured now replace its old ones), or a new one. A new one
+    takes the diffusers phases it skips from an entry that differs only in Easel's runtime
+    (diffusers does not depend on it), so each Easel runtime gets its ratios."""
+    def key(name, size, steps, gpus):
+        return (name, size, steps, tuple(gpus or ()))
+
+    mine = key(setup.name, setup.size, setup.steps, setup.gpus)
+    siblings = [e for e in results["configs"]
+                if key(e.get("name"), e.get("size"), e.get("steps"), e.get("gpus")) == mine]
+    for entry in siblings:
+        if entry.get("runtime") == setup.resolved_runtime:
+            return entry
+    entry = {"name": setup.name}
+    for system in ("diffusers_eager", "diffusers_compiled"):
+        source = next((e for e in siblings if system in skip and _phase(e, system)), None)
+        if source is not None:
+            entry[system] = {**copy.deepcopy(source[system]), "copied_from_entry_with_runtime": source.get("runtime")}
+            log.info("%s: %s taken from the entry with Easel runtime %s", setup.name, LABELS[system],
+                     source.get("runtime"))
+    results["configs"].append(entry)
+    return entry
+
+
+# --- models and adapters ---------------------------------------------------------------------
+
+
+def prepare(setup: Setup) -> dict:
+    """The model, and the ControlNets and LoRAs of this configuration in `<work>/adapters`."""
+    from bench.common import random_sdxl, tiny, write_controlnets
+    from bench.lora_sdxl import write_loras
+
+    start = time.perf_counter()
+    model = tiny(setup.work) if setup.smoke else random_sdxl(setup.work)
+    out = {"model": model, "store": None, "controlnets": [], "loras": [], "write_model_s": time.perf_counter() - start}
+    if setup.controlnets or setup.loras:
+        store = setup.work / "adapters"
+        out["store"] = store
+        names = [CONTROLNET_NAMES[i] if i < len(CONTROLNET_NAMES) else f"cn{i}" for i in range(setup.controlnets)]
+        write_controlnets(model, store, names, device=setup.torch_device, dtype=setup.dtype,
+                          **({"embedding_channels": (4, 8, 8, 16)} if setup.smoke else {}))
+        out["controlnets"] = names
+        if setup.loras:
+            out["loras"] = write_loras(store, model / "unet", [setup.lora_mib] * setup.loras, LORA_STD,
+                                       setup.torch_device)
+    _free_gpu(setup)
+    out["adapters_s"] = time.perf_counter() - start - out["write_model_s"]
+    return out
+
+
+def control_images(setup: Setup, count: int) -> list[bytes]:
+    from bench.controlnet_sdxl import control_png
+
+    return [control_png(setup.size, i) for i in range(count)]
+
+
+def fingerprint(model: Path) -> str:
+    """A cheap identity of the UNet weights (1 MiB at a few offsets): results merged from two runs
+    compare images of the same weights only."""
+    import hashlib
+
+    files = sorted((model / "unet").glob("*.safetensors"))
+    digest = hashlib.sha256()
+    for file in files:
+        size = file.stat().st_size
+        with open(file, "rb") as f:
+            for offset in (0, size // 3, 2 * size // 3, max(0, size - (1 << 20))):
+                f.seek(offset)
+                digest.update(f.read(1 << 20))
+    return digest.hexdigest()[:16]
+
+
+def _free_gpu(setup: Setup) -> None:
+    gc.collect()
+    if setup.device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
+
+
+# --- Easel -----------------------------------------------------------------------------------
+
+
+@contextlib.contextmanager
+def _server_environment(rec: dict):
+    """The server's compile cache is the repository's own: a TORCHINDUCTOR_CACHE_DIR or
+    TRITON_CACHE_DIR in this environment (set by the user or by an earlier compile in this
+    process) would point it elsewhere, so they are left out while servers start."""
+    saved = {k: os.environ.pop(k) for k in SERVER_CACHE_ENV if k in os.environ}
+    if saved:
+        rec["env_removed_for_server"] = saved
+    try:
+        yield
+    finally:
+        os.environ.update(saved)
+
+
+def metrics_snapshot(port: int) -> dict[str, dict[str, float]]:
+    """Every metric family whose name starts with METRIC_PREFIXES: name -> {labels: value}."""
+    from clients.serve import scrape_metrics
+
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+    text = opener.open(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
+    names = sorted({line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines()
+                    if line and not line.startswith("#") and line.startswith(METRIC_PREFIXES)})
+    return scrape_metrics(port, names)
+
+
+def _total(snapshot: dict | None, name: str) -> float | None:
+    values = (snapshot or {}).get(name)
+    return sum(values.values()) if values else None
+
+
+def _folder_bytes(root: Path, name: str) -> int:
+    return sum(f.stat().st_size for d in root.rglob(name) if d.is_dir() for f in d.rglob("*") if f.is_file())
+
+
+def start_server(repo: Path, setup: Setup):
+    from clients.serve import TritonServer
+
+    server = TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=setup.ready_timeout)
+    start = time.perf_counter()
+    server.start()
+    try:
+        server.wait_ready()
+    except BaseException:  # ServerStartError (with the log's tail), or an interrupt
+        server.stop()
+        raise
+    return server, time.perf_counter() - start
+
+
+def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> None:
+    from clients.client import EaselClient
+    from export.repository import ExportOptions, export_repository
+
+    repo = setup.work / f"repo-{setup.name.replace('/', '-')}"
+    if repo.exists():  # a fresh export: the compile cache of the first start is empty
+        shutil.rmtree(repo)
+    store = prep["store"]
+    extra = dict(row_buckets=setup.row_buckets) if setup.row_buckets else {}
+    top = max(setup.concurrency)
+    options = ExportOptions(
+        device=setup.device, dtype=setup.dtype, gpus=setup.gpus, max_size=max(setup.size, 64),
+        max_steps=max(150, setup.steps, setup.throughput_steps), runtime=setup.runtime, warmup_sizes=(setup.size,),
+        generate_instances=max(8, top), max_running=max(16, top), max_batch_rows=max(16, 2 * top),
+        adapters=str(store) if store else None, max_controlnets=max(3, setup.controlnets),
+        max_loras=max(3, setup.loras), controlnet_instances=max(1, setup.controlnets), **extra)
+    if 2 * top > max(options.row_buckets):
+        log.warning("concurrency %d needs %d UNet rows; the largest bucket is %d (more rows run eager)",
+                    top, 2 * top, max(options.row_buckets))
+    rec.update(date=now(), runtime=options.resolved_runtime, row_buckets=list(options.row_buckets),
+               export_options=dataclasses.asdict(options), repo=str(repo))
+    start = time.perf_counter()
+    export_repository(prep["model"], repo, options)
+    rec["export_s"] = time.perf_counter() - start
+    log.info("Easel %s: exported (%s runtime) in %.1fs", setup.name, rec["runtime"], rec["export_s"])
+    save()
+
+    controls = {}
+    if prep["controlnets"]:
+        controls.update(controlnets=tuple(prep["controlnets"]),
+                        control_images=tuple(control_images(setup, len(prep["controlnets"]))))
+    if prep["loras"]:
+        controls.update(loras=tuple(x["name"] for x in prep["loras"]), lora_scales=(LORA_SCALE,) * len(prep["loras"]))
+    request = dict(width=setup.size, height=setup.size, guidance_scale=GUIDANCE, scheduler=SCHEDULER, **controls)
+
+    with _server_environment(rec):
+        first, first_s = start_server(repo, setup)
+        try:
+            rec["cold_start_s"] = {"first": first_s}
+            rec["metrics"] = {"first_start_ready": metrics_snapshot(first.metrics_port)}
+        finally:
+            stop = time.perf_counter()
+            first.stop()
+            rec["first_stop_s"] = time.perf_counter() - stop
+        rec["compile_cache_bytes_after_first_start"] = _folder_bytes(repo, "compile_cache")
+        log.info("Easel first start (compile cache empty): %.1fs", first_s)
+        save()
+        server, second_s = start_server(repo, setup)
+    try:
+        rec["cold_start_s"]["second"] = second_s
+        rec["metrics"]["ready"] = metrics_snapshot(server.metrics_port)
+        rec["runtime_warmup_s"] = {
+            "first": _total(rec["metrics"]["first_start_ready"], "easel_runtime_warmup_seconds"),
+            "second": _total(rec["metrics"]["ready"], "easel_runtime_warmup_seconds")}
+        log.info("Easel second start (compile cache warm): %.1fs", second_s)
+        rec["tritonserver"] = server_version(server.url_grpc)
+        save()
+
+        with EaselClient(server.url_grpc, protocol="grpc") as client:  # the GPU image lacks gevent (HTTP)
+            start = time.perf_counter()
+            client.generate("warm up", steps=2, seed=0, **request)
+            rec["warmup_request_s"] = time.perf_counter() - start
+            rec["latency_s"], rec["infos"] = [], []
+            for seed in range(setup.runs):
+                start = time.perf_counter()
+                result = client.generate(PROMPT, steps=setup.steps, seed=seed, **request)
+                rec["latency_s"].append(time.perf_counter() - start)
+                rec["infos"].append(result.info)
+                if seed == 0:
+                    result.save(image_path(images, setup.name, "easel", rec["runtime"]))
+                log.info("Easel seed %d: %.3fs (denoise %.3fs)", seed, rec["latency_s"][-1],
+                         result.info.get("stages_s", {}).get("denoise_s", float("nan")))
+        stages = [i.get("stages_s") or {} for i in rec["infos"]]
+        rec["stages_median_s"] = {k: float(np.median([s[k] for s in stages if k in s]))
+                                  for k in sorted({k for s in stages for k in s})}
+        rec["metrics"]["after_latency"] = metrics_snapshot(server.metrics_port)
+        save()
+
+        rec["throughput"] = {}
+        for c in setup.concurrency:
+            rec["throughput"][str(c)] = easel_throughput(server.url_grpc, c, setup, request)
+            save()
+        rec["metrics"]["after_throughput"] = metrics_snapshot(server.metrics_port)
+        rec["runtime_steps"] = {k: _total(rec["metrics"]["after_throughput"], f"easel_runtime_{k}_total")
+                                for k in ("graph_steps", "eager_steps", "captures")}
+    finally:
+        server.stop()
+    save()
+
+
+def server_version(url: str) -> str | None:
+    try:
+        import tritonclient.grpc as grpcclient
+
+        with contextlib.closing(grpcclient.InferenceServerClient(url)) as client:
+            return client.get_server_metadata().version
+    except Exception as exc:  # informative only
+        log.warning("no server version: %s", exc)
+        return None
+
+
+def easel_throughput(url: str, c: int, setup: Setup, request: dict) -> dict:
+    """c clients (one thread and one gRPC connection each) send at once; rounds back to back."""
+    from clients.client import EaselClient
+
+    clients = [EaselClient(url, protocol="grpc") for _ in range(c)]
+    try:
+        with ThreadPoolExecutor(max_workers=c) as pool:
+            def round_(steps: int, seeds: list[int]) -> tuple[float, list[float], list[dict]]:
+                barrier = threading.Barrier(c + 1)
+
+                def one(i: int):
+                    barrier.wait()
+                    start = time.perf_counter()
+                    info = clients[i].generate(PROMPT, steps=steps, seed=seeds[i], **request).info
+                    return time.perf_counter() - start, info
+
+                futures = [pool.submit(one, i) for i in range(c)]
+                barrier.wait()
+                start = time.perf_counter()
+                done = [f.result() for f in futures]
+                return time.perf_counter() - start, [d[0] for d in done], [d[1] for d in done]
+
+            warmup_s, _, _ = round_(2, list(range(c)))
+            rounds = setup.easel_rounds(c)
+            walls, latencies, infos = [], [], []
+            for r in range(rounds):
+                wall, lat, info = round_(setup.throughput_steps, [1000 + r * c + i for i in range(c)])
+                walls.append(wall)
+                latencies += lat
+                infos += info
+    finally:
+        for client in clients:
+            client.close()
+    images = c * rounds
+    out = {"concurrency": c, "steps": setup.throughput_steps, "rounds": rounds, "images": images,
+           "round_wall_s": walls, "wall_s": sum(walls), "img_s": images / sum(walls), "latency_s": latencies,
+           "max_batch": [i.get("max_batch") for i in infos], "infos": infos, "warmup_round_s": warmup_s}
+    log.info("Easel c=%d: %.3f images/s (%d images, %.1fs; request p50 %.3fs)", c, out["img_s"], images,
+             out["wall_s"], percentile(latencies, 50))
+    return out
+
+
+# --- diffusers -------------------------------------------------------------------------------
+
+
+def diffusers_pipeline(setup: Setup, prep: dict):
+    """What a diffusers user runs: the pipeline (with its ControlNets) on the device; LoRAs loaded,
+    weighted, fused into the weights and unloaded once, before any timing."""
+    import torch
+    from diffusers import (ControlNetModel, EulerDiscreteScheduler, MultiControlNetModel,
+                           StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline)
+    from PIL import Image
+
+    torch_dtype = torch.float16 if setup.dtype == "fp16" else torch.float32
+    pipe = StableDiffusionXLPipeline.from_pretrained(prep["model"], dtype=torch_dtype, add_watermarker=False)
+    pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config)  # the request's `euler`
+    extra = {}
+    if prep["controlnets"]:
+        nets = [ControlNetModel.from_pretrained(prep["store"] / "controlnets" / n, dtype=torch_dtype)
+                for n in prep["controlnets"]]
+        pipe = StableDiffusionXLControlNetPipeline(**pipe.components, controlnet=nets[0] if len(nets) == 1
+                                                   else MultiControlNetModel(nets), add_watermarker=False)
+        pictures = [Image.open(io.BytesIO(png)) for png in control_images(setup, len(nets))]
+        extra["image"] = pictures[0] if len(nets) == 1 else pictures
+    pipe = pipe.to(setup.torch_device)
+    pipe.set_progress_bar_config(disable=True)
+    if prep["loras"]:
+        names = [x["name"] for x in prep["loras"]]
+        for lora in prep["loras"]:
+            pipe.load_lora_weights(lora["path"], adapter_name=lora["name"])
+        pipe.set_adapters(names, adapter_weights=[LORA_SCALE] * len(names))
+        pipe.fuse_lora(adapter_names=names)
+        pipe.unload_lora_weights()
+    return pipe, extra
+
+
+def measure_diffusers(setup: Setup, prep: dict, images: Path, rec: dict, save, compiled: bool) -> None:
+    import torch
+
+    system = "diffusers_compiled" if compiled else "diffusers_eager"
+
+    def sync():
+        if setup.device == "cuda":
+            torch.cuda.synchronize(setup.torch_device)
+
+    def call(count: int, steps: int, seeds: list[int]):
+        return pipe([PROMPT] * count, width=setup.size, height=setup.size, num_inference_steps=steps,
+                    guidance_scale=GUIDANCE, generator=[torch.Generator("cpu").manual_seed(s) for s in seeds],
+                    **extra).images
+
+    def timed(fn) -> float:
+        sync()
+        start = time.perf_counter()
+        fn()
+        sync()
+        return time.perf_counter() - start
+
+    rec.update(date=now(), dtype=setup.dtype, device=setup.torch_device, scheduler="EulerDiscreteScheduler",
+               lora="loaded, set_adapters, fused and unloaded once before timing" if prep["loras"] else None)
+    start = time.perf_counter()
+    pipe, extra = diffusers_pipeline(setup, prep)
+    rec["load_s"] = time.perf_counter() - start
+    original = saved_env = None
+    try:
+        if compiled:
+            # empty: the compile is cold, as Easel's first start is
+            inductor_cache = setup.work / "diffusers-inductor-cache"
+            shutil.rmtree(inductor_cache, ignore_errors=True)
+            saved_env = {k: os.environ.get(k) for k in SERVER_CACHE_ENV}
+            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache)
+            os.environ["TRITON_CACHE_DIR"] = str(inductor_cache / "triton")
+            rec["inductor_cache"] = str(inductor_cache)
+            original = pipe.unet
+            rec["compile_errors"] = []
+            for mode in ("reduce-overhead", "default"):
+                pipe.unet = torch.compile(original, mode=None if mode == "default" else mode)
+                try:
+                    rec["compile_s"] = timed(lambda: call(1, WARMUP_STEPS, [0]))
+                    rec["mode"] = mode
+                    break
+                except Exception as exc:
+                    log.warning("torch.compile mode %s failed: %s", mode, exc)
+                    rec["compile_errors"].append({"mode": mode, "error": f"{type(exc).__name__}: {exc}"[:4000]})
+                    pipe.unet = original
+                    torch._dynamo.reset()
+                    _free_gpu(setup)
+            else:
+                raise RuntimeError("torch.compile failed in every mode: " + "; ".join(
+                    e["error"].splitlines()[0] for e in rec["compile_errors"]))
+            log.info("diffusers compiled (%s): compile + first call %.1fs", rec["mode"], rec["compile_s"])
+        else:
+            rec["warmup_s"] = timed(lambda: call(1, WARMUP_STEPS, [0]))
+        save()
+
+        rec["latency_s"] = []
+        for seed in range(setup.runs):
+            box = {}
+            rec["latency_s"].append(timed(lambda: box.update(images=call(1, setup.steps, [seed]))))
+            if seed == 0:
+                # PIL images are diffusers' numpy_to_pil of the output: (x * 255).round().astype(uint8)
+                box["images"][0].save(image_path(images, setup.name, system))
+            log.info("%s seed %d: %.3fs", LABELS[system], seed, rec["latency_s"][-1])
+        save()
+
+        rec["throughput"] = {}
+        for c in setup.concurrency:
+            warmup = timed(lambda: call(c, WARMUP_STEPS, list(range(c))))
+            wall = timed(lambda: call(c, setup.throughput_steps, [1000 + i for i in range(c)]))
+            rec["throughput"][str(c)] = {"batch": c, "steps": setup.throughput_steps, "images": c, "wall_s": wall,
+                                         "img_s": c / wall, "warmup_s": warmup}
+            log.info("%s batch %d: %.3f images/s (%.2fs; warm-up %.1fs)", LABELS[system], c, c / wall, wall, warmup)
+            save()
+        if setup.device == "cuda":
+            rec["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(setup.torch_device)
+    finally:
+        del pipe, extra, original  # every reference to the weights, before emptying the cache
+        if saved_env is not None:
+            torch._dynamo.reset()  # and the CUDA-graph trees, which hold their memory pool
+            for key, value in saved_env.items():  # as they were
+                if value is None:
+                    os.environ.pop(key, None)
+                else:
+                    os.environ[key] = value
+        _free_gpu(setup)
+        if setup.device == "cuda":
+            torch.cuda.reset_peak_memory_stats(setup.torch_device)
+
+
+# --- main ------------------------------------------------------------------------------------
+
+
+def run(setup: Setup, out: Path, skip: set[str], argv: list[str]) -> int:
+    started = time.perf_counter()
+    gpu = gpu_name(setup)
+    images = out / "images"
+    images.mkdir(parents=True, exist_ok=True)
+    results = load_results(out)
+    results.update(gpu=gpu, driver=driver_version() if setup.device == "cuda" else None,
+                   versions={**results.get("versions", {}), **versions()}, command=list(sys.argv),
+                   args=argv, date=now())
+    entry = config_entry(results, setup, skip)
+    entry.update(name=setup.name, controlnets=setup.controlnets, loras=setup.loras, gpus=list(setup.gpus),
+                 runtime=setup.resolved_runtime, gpu=gpu, size=setup.size, steps=setup.steps,
+                 throughput_steps=setup.throughput_steps,
+                 runs=setup.runs, concurrency=list(setup.concurrency), device=setup.device, dtype=setup.dtype,
+                 prompt=PROMPT, guidance_scale=GUIDANCE, scheduler=SCHEDULER, command=results["command"], args=argv)
+
+    def save():
+        write_report(results, out)
+
+    prep = prepare(setup)
+    entry.update(write_model_s=prep["write_model_s"], adapters_s=prep["adapters_s"],
+                 model_fingerprint=fingerprint(prep["model"]), lora_files=prep["loras"],
+                 controlnet_names=prep["controlnets"])
+    log.info("%s: model ready in %.1fs, adapters in %.1fs", setup.name, prep["write_model_s"], prep["adapters_s"])
+    failed = 0
+    phases = [("easel", lambda rec: measure_easel(setup, prep, images, rec, save)),
+              ("diffusers_eager", lambda rec: measure_diffusers(setup, prep, images, rec, save, compiled=False)),
+              ("diffusers_compiled", lambda rec: measure_diffusers(setup, prep, images, rec, save, compiled=True))]
+    for system, measure in phases:
+        if system in skip:
+            if system == "diffusers_compiled" and setup.smoke:
+                entry[system] = {"skipped": "cpu smoke: no torch.compile on CPU"}
+                log.info("%s: skipped (CPU smoke)", LABELS[system])
+            else:
+                log.info("%s: skipped%s", LABELS[system], " (kept from results.json)" if entry.get(system) else "")
+            entry.setdefault(system, None)
+            continue
+        entry[system] = rec = {"model_fingerprint": entry["model_fingerprint"]}
+        start = time.perf_counter()
+        try:
+            measure(rec)
+        except Exception as exc:  # recorded; the other phases still run
+            failed += 1
+            rec["error"] = f"{type(exc).__name__}: {exc}"
+            rec["traceback"] = traceback.format_exc()
+            log.error("%s failed: %s", LABELS[system], rec["traceback"])
+        except BaseException as exc:  # Ctrl-C or SIGTERM (a time limit): what was measured stays
+            rec["error"] = f"interrupted ({type(exc).__name__}) after {time.perf_counter() - start:.1f}s"
+            rec["phase_s"] = time.perf_counter() - start
+            save()
+            raise
+        rec["phase_s"] = time.perf_counter() - start
+        save()
+        log.info("%s: phase done in %.1fs", LABELS[system], rec["phase_s"])
+    prints = {(entry.get(s) or {}).get("model_fingerprint") for s in SYSTEMS} - {None}
+    if len(prints) > 1:
+        entry["warning"] = f"phases measured different weights (fingerprints {sorted(prints)}): fidelity is void"
+        log.warning(entry["warning"])
+    if (entry.get("easel") or {}).get("tritonserver"):
+        results["versions"]["tritonserver"] = entry["easel"]["tritonserver"]
+    entry["total_s"] = time.perf_counter() - started
+    write_report(results, out, final=True)
+    summarize(entry, gpu)
+    return 1 if failed else 0
+
+
+def summarize(e: dict, gpu: str) -> None:
+    log.info("%s on %s, %d px, %d steps: Easel (%s) p50 %s s p95 %s s; diffusers eager p50 %s s; compiled (%s) "
+             "p50 %s s; Easel/eager %s, Easel/compiled %s", e["name"], gpu, e["size"], e["steps"],
+             e.get("easel_runtime"), _s(e["easel_p50_s"]), _s(e["easel_p95_s"]), _s(e["diffusers_eager_p50_s"]),
+             e.get("diffusers_compile_mode") or "n/a", _s(e["diffusers_compiled_p50_s"]),
+             _x(e["ratio_easel_over_diffusers_eager"]), _x(e["ratio_easel_over_diffusers_compiled"]))
+    for c, row in e["throughput_img_s"].items():
+        log.info("throughput c=%s (%s steps): Easel %s, diffusers eager %s, compiled %s images/s", c,
+                 e.get("throughput_steps"), _s(row["easel"]), _s(row["diffusers_eager"]),
+                 _s(row["diffusers_compiled"]))
+    log.info("Easel stages (median s): %s", {k: round(v, 4) for k, v in (e.get("easel_stages_median_s") or {}).items()})
+    log.info("cold start: first %s s (cache empty), second %s s (cache warm)", _s(e["cold_start_first_s"], 1),
+             _s(e["cold_start_second_s"], 1))
+    f = e.get("fidelity") or {}
+    log.info("fidelity seed 0, Easel vs diffusers eager: %s", "identical" if f.get("identical") else
+             f"PSNR {_s(f.get('psnr_db'), 2)} dB, SSIM {_s(f.get('ssim'), 5)}, max diff {f.get('max_abs_diff')}"
+             if f else "n/a")
+
+
+def _terminate(signum, _frame):
+    raise SystemExit(128 + signum)
+
+
+def main(argv: list[str] | None = None) -> int:
+    from bench.common import start_logging
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = parser().parse_args(argv)
+    start_logging()
+    if args.replot is not None:
+        results = json.loads((args.replot / "results.json").read_text())
+        (args.replot / "results.md").write_text(markdown(results))
+        for path in plot(args.replot / "results.json"):
+            log.info("wrote %s", path)
+        return 0
+    setup = resolve(args)
+    if setup.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SystemExit("easel bench: no CUDA device (use --cpu-smoke to test the script on CPU)")
+    out = args.out or RESULTS_DIR / f"{datetime.date.today().isoformat()}-{gpu_slug(gpu_name(setup), len(setup.gpus))}"
+    skip = {s for s, flag in (("easel", args.skip_easel), ("diffusers_eager", args.skip_diffusers_eager),
+                              ("diffusers_compiled", args.skip_diffusers_compiled or setup.smoke)) if flag}
+    setup.work.mkdir(parents=True, exist_ok=True)
+    # SIGTERM (`timeout`, a time limit) unwinds like Ctrl-C: servers stop, results are saved.
+    previous = None
+    if threading.current_thread() is threading.main_thread():
+        previous = signal.signal(signal.SIGTERM, _terminate)
+    try:
+        code = run(setup, out, skip, argv)
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    print(out / "results.json")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,122 @@
+"""`easel bench`'s report, from a synthetic results dict: summary fields, the Markdown tables, the
+plots, the agreed keys. No server, no model."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+from PIL import Image
+
+from bench import easel_bench
+
+
+def _config(name, compiled=True):
+    throughput = {"easel": {"1": {"img_s": 0.4}, "4": {"img_s": 1.1}, "8": {"img_s": 1.5}},
+                  "diffusers_eager": {"1": {"img_s": 0.45}, "4": {"img_s": 0.75}, "8": {"img_s": 0.8}},
+                  "diffusers_compiled": {"1": {"img_s": 0.6}, "4": {"img_s": 1.0}, "8": {"img_s": 1.1}}}
+    entry = {
+        "name": name, "gpus": [0], "size": 1024, "steps": 50, "throughput_steps": 30,
+        "easel": {"runtime": "graphs", "latency_s": [2.6, 2.5, 2.9], "export_s": 61.0,
+                  "cold_start_s": {"first": 95.0, "second": 40.0},
+                  "runtime_warmup_s": {"first": 12.0, "second": 11.0},
+                  "stages_median_s": {"denoise_s": 2.3, "text_encoder_s": 0.02, "vae_decoder_s": 0.09},
+                  "throughput": throughput["easel"]},
+        "diffusers_eager": {"latency_s": [3.6, 3.5, 3.7], "load_s": 9.0, "throughput": throughput["diffusers_eager"]},
+        "diffusers_compiled": ({"mode": "reduce-overhead", "compile_s": 130.0, "latency_s": [2.2, 2.1, 2.3],
+                                "throughput": throughput["diffusers_compiled"]} if compiled
+                               else {"skipped": "--skip-diffusers-compiled"}),
+    }
+    return easel_bench.finalize(entry)
+
+
+def test_finalize_summarizes_raw_samples():
+    e = _config("0C/0L")
+    assert e["easel_p50_s"] == pytest.approx(2.6)
+    assert e["easel_p95_s"] == pytest.approx(np.percentile([2.5, 2.6, 2.9], 95))
+    assert e["diffusers_eager_p50_s"] == pytest.approx(3.6)
+    assert e["ratio_easel_over_diffusers_eager"] == pytest.approx(2.6 / 3.6)
+    assert e["ratio_easel_over_diffusers_compiled"] == pytest.approx(2.6 / 2.2)
+    assert e["throughput_img_s"]["4"] == {"easel": 1.1, "diffusers_eager": 0.75, "diffusers_compiled": 1.0}
+    assert (e["cold_start_first_s"], e["cold_start_second_s"]) == (95.0, 40.0)
+    assert e["diffusers_compile_mode"] == "reduce-overhead"
+
+    skipped = _config("1C/0L", compiled=False)
+    assert skipped["diffusers_compiled_p50_s"] is None and skipped["ratio_easel_over_diffusers_compiled"] is None
+    assert skipped["throughput_img_s"]["8"]["diffusers_compiled"] is None
+
+
+def test_fidelity_from_the_seed0_images(tmp_path):
+    rng = np.random.default_rng(0)
+    ref = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
+    near = ref.copy()
+    near[0, 0, 0] ^= 1
+    Image.fromarray(ref).save(easel_bench.image_path(tmp_path, "0C/0L", "diffusers_eager"))
+    Image.fromarray(near).save(easel_bench.image_path(tmp_path, "0C/0L", "easel", "graphs"))
+    Image.fromarray(ref).save(easel_bench.image_path(tmp_path, "0C/0L", "diffusers_compiled"))
+    entry = easel_bench.finalize({**_config("0C/0L")}, tmp_path)
+    f = entry["fidelity"]
+    assert f["max_abs_diff"] == 1 and not f["identical"] and f["psnr_db"] > 60 and 0.99 < f["ssim"] <= 1
+    same = entry["fidelity_compiled_vs_eager"]
+    assert same["identical"] and same["psnr_db"] is None  # infinite: JSON has no infinity
+    json.dumps(entry, allow_nan=False)
+
+
+def test_report_markdown_and_plots(tmp_path):
+    results = {"gpu": "NVIDIA H200", "driver": "570.0", "versions": {"torch": "2.11.0", "diffusers": "0.42.1"},
+               "command": ["easel", "bench", "--runs", "3"], "date": "2026-11-22T10:00:00+00:00",
+               "configs": [_config("0C/0L"), _config("1C/1L", compiled=False)]}
+    assert easel_bench.validate(results) == []
+    assert "configs[0].easel_p50_s" in easel_bench.validate({**results, "configs": [{"name": "x"}]})
+
+    md = easel_bench.markdown(results)
+    assert "| 0C/0L | NVIDIA H200 x1 | 1024 | 50 | graphs | 2.600 / " in md
+    assert "| 0C/0L | 30 | 4 | 1.100 | 0.750 | 1.000 | 1.47x | 1.10x |" in md
+    assert "| 1C/1L | 30 | 8 | 1.500 | 0.800 | n/a | 1.88x | n/a |" in md
+    assert "(reduce-overhead)" in md and "95.0" in md and "40.0" in md and "denoise_s" in md
+    assert "## Image fidelity" in md
+
+    pytest.importorskip("matplotlib")
+    (tmp_path / "results.json").write_text(json.dumps(results))
+    written = easel_bench.plot(tmp_path / "results.json")
+    assert [p.name for p in written] == ["latency.png", "throughput.png"]
+    for path in written:
+        with Image.open(path) as img:
+            assert img.size[0] > 500 and img.size[1] > 300
+
+    # --replot rewrites the Markdown and the plots from the JSON alone
+    for path in written:
+        path.unlink()
+    assert easel_bench.main(["--replot", str(tmp_path)]) == 0
+    assert (tmp_path / "latency.png").is_file() and (tmp_path / "results.md").read_text() == md
+
+
+def test_runs_merge_by_configuration_and_runtime():
+    parse = easel_bench.parser().parse_args
+    graphs = easel_bench.resolve(parse(["--runtime", "graphs"]))
+    results = {"configs": [{**_config("0C/0L"), "runtime": "graphs"}]}
+    assert easel_bench.config_entry(results, graphs) is results["configs"][0]  # phases measured now replace
+    # Another Easel runtime is its own entry; the diffusers phases it skips come from its sibling.
+    compiled = easel_bench.resolve(parse(["--runtime", "compiled"]))
+    entry = easel_bench.config_entry(results, compiled, {"diffusers_eager", "diffusers_compiled"})
+    assert len(results["configs"]) == 2 and entry["name"] == "0C/0L"
+    assert entry["diffusers_eager"]["latency_s"] == [3.6, 3.5, 3.7]
+    assert entry["diffusers_eager"]["copied_from_entry_with_runtime"] == "graphs"
+    assert "copied_from_entry_with_runtime" not in results["configs"][0]["diffusers_eager"]
+    other = easel_bench.config_entry(results, easel_bench.resolve(parse(["--loras", "1"])))
+    assert other["name"] == "0C/1L" and "diffusers_eager" not in other and len(results["configs"]) == 3
+
+
+def test_setup_defaults_and_gpu_slug():
+    gpu = easel_bench.resolve(easel_bench.parser().parse_args([]))
+    assert (gpu.size, gpu.steps, gpu.throughput_steps, gpu.runs, gpu.concurrency) == (1024, 50, 30, 5, (1, 2, 4, 8))
+    assert (gpu.device, gpu.dtype, gpu.name, gpu.easel_rounds(1), gpu.easel_rounds(8)) == (
+        "cuda", "fp16", "0C/0L", 8, 2)
+    smoke = easel_bench.resolve(easel_bench.parser().parse_args(["--cpu-smoke", "--loras", "2"]))
+    assert (smoke.device, smoke.dtype, smoke.size, smoke.steps, smoke.runtime, smoke.name) == (
+        "cpu", "fp32", 64, 4, "eager", "0C/2L")
+    assert easel_bench.gpu_slug("NVIDIA H200") == "h200"
+    assert easel_bench.gpu_slug("NVIDIA H100 80GB HBM3", 2) == "h100-80gb-hbm3x2"
+    with pytest.raises(SystemExit):
+        easel_bench.parser().parse_args(["--concurrency", "1,x"])
