@@ -262,11 +262,13 @@ def finalize(entry: dict, images: Path | None = None) -> dict:
     entry["cold_start_first_s"], entry["cold_start_second_s"] = cold.get("first"), cold.get("second")
     entry["easel_runtime"] = easel.get("runtime") or entry.get("runtime")
     entry["diffusers_compile_mode"] = (entry.get("diffusers_compiled") or {}).get("mode")
-    if images is not None:
-        entry["fidelity"] = compare_images(images, entry["name"], "easel", "diffusers_eager",
-                                           entry["easel_runtime"])
-        entry["fidelity_compiled_vs_eager"] = compare_images(images, entry["name"], "diffusers_compiled",
-                                                             "diffusers_eager")
+    if images is not None:  # a run that skipped a phase keeps the comparison made when its images existed
+        for key, found in (("fidelity", compare_images(images, entry["name"], "easel", "diffusers_eager",
+                                                       entry["easel_runtime"])),
+                           ("fidelity_compiled_vs_eager", compare_images(images, entry["name"], "diffusers_compiled",
+                                                                         "diffusers_eager"))):
+            if found is not None or entry.get(key) is None:
+                entry[key] = found
     entry.setdefault("fidelity", None)
     return entry
 
