@@ -96,6 +96,7 @@ def parser() -> argparse.ArgumentParser:
                    help="Easel's UNet runtime (export --runtime; default: export's, compiled on a GPU)")
     p.add_argument("--row-buckets", type=_int_list, default=None,
                    help="Easel: UNet row counts captured at load (default: export's, 2,4,8,16)")
+    p.add_argument("--fused-kernels", action="store_true", help="Easel with plugins' fused GroupNorm+SiLU and GEGLU")
     p.add_argument("--controlnets", type=int, default=0, help="ControlNets per request (random SDXL-size ones)")
     p.add_argument("--loras", type=int, default=0, help="LoRAs per request (random SDXL-size ones)")
     p.add_argument("--lora-mib", type=float, default=340.0, help="size of each random LoRA file (fp16)")
@@ -137,6 +138,7 @@ class Setup:
     rounds: int | None
     runtime: str | None
     row_buckets: tuple[int, ...] | None
+    fused_kernels: bool
     controlnets: int
     loras: int
     lora_mib: float
@@ -156,7 +158,7 @@ class Setup:
     def resolved_runtime(self) -> str:
         from backends.core.runtime.config import default_kind
 
-        return self.runtime or default_kind(self.device)
+        return (self.runtime or default_kind(self.device)) + ("+fused" if self.fused_kernels else "")
 
     def easel_rounds(self, c: int) -> int:
         return self.rounds or (2 if self.smoke else max(2, 8 // c))
@@ -174,7 +176,8 @@ def resolve(args: argparse.Namespace) -> Setup:
     work = args.work or Path(tempfile.gettempdir()) / ("easel-bench-smoke" if smoke else "easel-bench")
     return Setup(work=work, device="cpu" if smoke else "cuda", dtype="fp32" if smoke else "fp16",
                  runtime="eager" if smoke else args.runtime, rounds=args.throughput_rounds,
-                 row_buckets=args.row_buckets, controlnets=args.controlnets, loras=args.loras,
+                 row_buckets=args.row_buckets, fused_kernels=args.fused_kernels, controlnets=args.controlnets,
+                 loras=args.loras,
                  lora_mib=0.25 if smoke else args.lora_mib, gpus=tuple(args.gpus), ready_timeout=args.ready_timeout,
                  smoke=smoke, **pick)
 
@@ -644,6 +647,8 @@ def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> No
         shutil.rmtree(repo)
     store = prep["store"]
     extra = dict(row_buckets=setup.row_buckets) if setup.row_buckets else {}
+    if setup.fused_kernels:
+        extra["fused_kernels"] = True
     top = max(setup.concurrency)
     options = ExportOptions(
         device=setup.device, dtype=setup.dtype, gpus=setup.gpus, max_size=max(setup.size, 64),
@@ -654,7 +659,7 @@ def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> No
     if 2 * top > max(options.row_buckets):
         log.warning("concurrency %d needs %d UNet rows; the largest bucket is %d (more rows run eager)",
                     top, 2 * top, max(options.row_buckets))
-    rec.update(date=now(), runtime=options.resolved_runtime, row_buckets=list(options.row_buckets),
+    rec.update(date=now(), runtime=setup.resolved_runtime, row_buckets=list(options.row_buckets),
                export_options=dataclasses.asdict(options), repo=str(repo))
     start = time.perf_counter()
     export_repository(prep["model"], repo, options)

@@ -146,8 +146,10 @@ def test_denoiser_on_graphs_reproduces_the_eager_denoiser(repo):
     embeds, pooled = encoder.encode(params)
     out = []
     for engine in (eager, fast):
-        state = engine.start(DenoiseJob("r", params, embeds, pooled))
+        # start() on the loop's stream too, as the loop admits requests: the stream does not wait
+        # for the default one, so latents made there could still be in flight at the first step.
         with engine.on_stream():
+            state = engine.start(DenoiseJob("r", params, embeds, pooled))
             while state.index < len(state.timesteps):
                 engine.step([state])
         out.append(torch.from_numpy(engine.result(state)))

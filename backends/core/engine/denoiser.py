@@ -320,9 +320,11 @@ class TorchDenoiser:
         self.control_calls += sum(len(f) for f in pending)
         return [torch.cat(parts) for parts in zip(*downs)], torch.cat(mids)
 
-    @staticmethod
-    def result(state: RequestState) -> np.ndarray:
-        return state.latents.float().cpu().numpy()
+    def result(self, state: RequestState) -> np.ndarray:
+        """The final latents on the host. Copied on the engine's stream, from any thread: that stream
+        does not wait for the default one, and with graphs the host runs steps ahead of the GPU."""
+        with self.on_stream():
+            return state.latents.float().cpu().numpy()
 
 
 def _same_guidance(states) -> bool:
