@@ -16,7 +16,6 @@ import json
 import logging
 import statistics
 import time
-from pathlib import Path
 
 from bench.common import bench_parser, random_sdxl, start_logging
 

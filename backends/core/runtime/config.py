@@ -9,7 +9,7 @@ kinds:
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 RUNTIME_KINDS = ("eager", "graphs", "compiled")
@@ -62,5 +62,3 @@ def default_kind(device: str) -> str:
     """The fast runtime on a GPU, eager on CPU."""
     return "compiled" if device.startswith("cuda") else "eager"
 
-
-__all__ = ["RUNTIME_KINDS", "RuntimeConfig", "default_kind", "field"]

@@ -29,8 +29,7 @@ from pathlib import Path
 
 import torch
 
-from backends.core.runtime.base import (EncoderOut, Residuals, RuntimeCaps, RuntimeStats, StepBatch, check_batch,
-                                        refit_in_place)
+from backends.core.runtime.base import EncoderOut, Residuals, RuntimeCaps, StepBatch, check_batch, refit_in_place
 from backends.core.runtime.config import RuntimeConfig
 from backends.core.runtime.torch_eager import EagerUNetRuntime
 
