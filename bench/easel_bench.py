@@ -725,6 +725,10 @@ def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> No
         rec["metrics"]["after_throughput"] = metrics_snapshot(server.metrics_port)
         rec["runtime_steps"] = {k: _total(rec["metrics"]["after_throughput"], f"easel_runtime_{k}_total")
                                 for k in ("graph_steps", "eager_steps", "captures")}
+    except BaseException:
+        # The server's own account of a failure (a stub that died says why only in its log).
+        rec["server_log_tail"] = server.log_text()[-20000:]
+        raise
     finally:
         server.stop()
     save()
