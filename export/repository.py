@@ -106,6 +106,10 @@ class ExportOptions:
         return Instances("KIND_GPU", count, (self.gpus[0] if gpu is None else gpu,))
 
 
+def _flag(value: bool) -> str:
+    return "true" if value else "false"
+
+
 def _fresh_model_dir(repo: Path, name: str) -> Path:
     model = repo / name
     if model.exists():
@@ -191,7 +195,8 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
     pipe.vae.save_pretrained(model / VERSION / "vae", safe_serialization=True)
     (model / "config.pbtxt").write_text(python_model(
         "vae_decoder", "easel_vae_decoder", contract.VAE_DECODER, options.instances(),
-        {**engine_params, "graphs": "true" if options.resolved_runtime != "eager" else "false"}))
+        {**engine_params, "graphs": _flag(options.resolved_runtime != "eager"),
+         "channels_last": _flag(options.channels_last), "fused_kernels": _flag(options.fused_kernels)}))
 
     # CPU-only steps: validation, the BLS hand-off to the denoisers, PNG encoding.
     cpu = Instances("KIND_CPU", 1)

@@ -24,8 +24,8 @@ from backends.triton_adapter import (  # noqa: E402
 class TritonPythonModel:
     def initialize(self, args):
         setup_logging()
-        graphs = parameters(args).get("graphs", "false") == "true"
-        self.decoder = LatentDecoder(artifact_folder(args), placement(args), graphs=graphs)
+        flags = {k: parameters(args).get(k, "false") == "true" for k in ("graphs", "channels_last", "fused_kernels")}
+        self.decoder = LatentDecoder(artifact_folder(args), placement(args), **flags)
 
     def execute(self, requests):
         return each_request(requests, self._decode, "vae_decoder")

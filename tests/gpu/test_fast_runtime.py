@@ -237,10 +237,11 @@ def test_vae_graphs_equal_eager(repo):
 
     folder = repo / "vae_decoder" / "1"
     eager = LatentDecoder(folder, Placement("cuda:0", "fp16"))
-    fast = LatentDecoder(folder, Placement("cuda:0", "fp16"), graphs=True)
     latents = np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float32)
     want = eager.decode(latents)
-    for _ in range(2):
-        got = fast.decode(latents)
-        assert np.abs(got.astype(int) - want.astype(int)).max() <= 1  # within 1/255
-    assert len(fast._graphs) == 1
+    for options in ({}, {"channels_last": True}, {"fused_kernels": True}):
+        fast = LatentDecoder(folder, Placement("cuda:0", "fp16"), graphs=True, **options)
+        for _ in range(2):
+            got = fast.decode(latents)
+            assert np.abs(got.astype(int) - want.astype(int)).max() <= 1, options  # within 1/255
+        assert len(fast._graphs) == 1

@@ -122,3 +122,19 @@ def test_builder_wires_a_working_denoiser(repo):
     (result,) = done
     assert result.error is None and result.steps == 3 and result.latents.shape == (1, 4, 8, 8)
     assert json.loads(config.to_json())["runtime"]["kind"] == "eager"
+
+
+def test_vae_options_keep_the_pixels(repo):
+    """The VAE's fast-path options on CPU: fused kernels run plugins' torch reference (the same ops
+    in the same order) and channels_last the same convolutions in another layout: pixels within
+    1/255 of the plain decoder (rounding to uint8 can flip on a last-bit difference)."""
+    import numpy as np
+
+    from backends.core.stages.vae_decoding import LatentDecoder
+
+    folder = repo / "vae_decoder" / "1"
+    latents = np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float32)
+    want = LatentDecoder(folder, Placement()).decode(latents)
+    for options in ({"fused_kernels": True}, {"channels_last": True}, {"graphs": True}):  # graphs: GPU only
+        got = LatentDecoder(folder, Placement(), **options).decode(latents)
+        assert got.shape == want.shape and np.abs(got.astype(int) - want.astype(int)).max() <= 1, options
