@@ -58,7 +58,9 @@ class ExportOptions:
     # fast one on a GPU, eager on CPU.
     runtime: str | None = None
     row_buckets: tuple[int, ...] = (2, 4, 8, 16)
-    warmup_sizes: tuple[int, ...] = ()  # image sizes (square, px) whose buckets are captured at load
+    # Image sizes (square, px) whose buckets are captured (compiled) at load; default for a fast
+    # runtime: the model's own size.
+    warmup_sizes: tuple[int, ...] = ()
     channels_last: bool = False
     fused_kernels: bool = False
 
@@ -80,8 +82,12 @@ class ExportOptions:
     def resolved_runtime(self) -> str:
         return self.runtime or default_kind(self.device)
 
-    def runtime_config(self, vae_scale_factor: int) -> RuntimeConfig:
-        sizes = tuple((s // vae_scale_factor, s // vae_scale_factor) for s in self.warmup_sizes)
+    def runtime_config(self, vae_scale_factor: int, default_size: int) -> RuntimeConfig:
+        # A fast runtime warms up at least the model's own size: under `compiled` a size without
+        # buckets runs eager, so a deployment without warm-up sizes would never be fast.
+        fast = self.resolved_runtime != "eager"
+        pixels = self.warmup_sizes or ((default_size,) if fast else ())
+        sizes = tuple((s // vae_scale_factor, s // vae_scale_factor) for s in pixels)
         return RuntimeConfig(kind=self.resolved_runtime, row_buckets=self.row_buckets, warmup_sizes=sizes,
                              warmup_residuals=bool(self.adapters), channels_last=self.channels_last,
                              fused_kernels=self.fused_kernels)
@@ -179,7 +185,7 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
             (model / VERSION / VAE_SCALE_FACTOR_FILE).write_text(json.dumps({"vae_scale_factor": vae_scale_factor}))
         gpu = options.gpus[index] if options.device == "cuda" else None
         config = DenoiserConfig(
-            limits=limits, runtime=options.runtime_config(vae_scale_factor), max_running=options.max_running,
+            limits=limits, runtime=options.runtime_config(vae_scale_factor, default_size), max_running=options.max_running,
             max_batch_rows=options.max_batch_rows, lora_loaders=options.lora_loaders,
             lora_bound_steps=options.lora_bound_steps,
             controlnet_model="controlnet" if options.adapters else None, controlnet_mode=options.controlnet_mode)

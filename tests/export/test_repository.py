@@ -174,7 +174,7 @@ def test_cpu_export_is_fp32_on_cpu(cpu_repo):
 def test_denoiser_config_is_typed_and_strict(tiny_model, tmp_path):
     repo = export_repository(tiny_model, tmp_path / "repo")
     config = DenoiserConfig.from_json(params_of(configs(repo)["denoiser"])["denoiser"])
-    assert config.runtime.kind == "eager"  # the default on CPU
+    assert config.runtime.kind == "eager" and config.runtime.warmup_sizes == ()  # the default on CPU
     assert config.limits == Limits.from_json(params_of(configs(repo)["preprocess"])["limits"])
     data = json.loads(config.to_json())
     with pytest.raises(ValueError, match=r"denoiser: unknown keys \['max_runing'\]"):
@@ -201,6 +201,8 @@ def test_cuda_export_writes_one_denoiser_per_gpu(cuda_repo):
         denoiser = DenoiserConfig.from_json(params["denoiser"])
         assert (denoiser.max_running, denoiser.max_batch_rows) == (16, 16)
         assert denoiser.runtime.kind == "compiled"  # the fast runtime is the default on a GPU
+        size = denoiser.limits.default_width // denoiser.limits.size_multiple
+        assert denoiser.runtime.warmup_sizes == ((size, size),)  # and it warms up the model's own size
     # the second denoiser reads the first one's artifacts and holds no weights of its own
     assert "artifacts" not in params_of(parsed["denoiser_gpu0"])
     assert params_of(parsed["denoiser_gpu1"])["artifacts"] == "denoiser_gpu0/1"
