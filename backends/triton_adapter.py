@@ -100,19 +100,46 @@ def params_tensor(params: GenerateParams):
     return pb_utils.Tensor("params", np.array([params.to_json()], dtype=np.object_))
 
 
-def error(message: str):
-    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+# Triton 2.51 hands a decoupled model's error responses to its BLS caller with code INTERNAL
+# whatever code they were sent with (seen: the denoiser sent INVALID_ARG, generate got INTERNAL).
+# So our decoupled models also mark the client's mistakes in the message, and the caller restores
+# the code from the mark.
+INVALID_MARK = "[invalid input] "
+
+
+class ForwardedError(RuntimeError):
+    """An error another model (called by BLS) answered with, passed on with its status code."""
+
+    def __init__(self, triton_error):
+        message, code = triton_error.message(), triton_error.code()
+        if message.startswith(INVALID_MARK):
+            message, code = message[len(INVALID_MARK):], pb_utils.TritonError.INVALID_ARG
+        super().__init__(message)
+        self.code = code
+
+
+def error(message: str, invalid: bool = False, code=None):
+    """A failed response. `invalid`: the client's mistake (gRPC INVALID_ARGUMENT, HTTP 400),
+    so that clients and proxies do not count it as a server fault or retry it."""
+    if invalid:
+        code = pb_utils.TritonError.INVALID_ARG
+    if code is None:
+        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
+    return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
 
 
 def each_request(requests, handle, what: str) -> list:
     """One response per request: `handle(request)` returns its output tensors; whatever it raises
-    fails that request alone (InvalidInput as is, since it already names the field)."""
+    fails that request alone (InvalidInput as is, since it already names the field, and as the
+    client's mistake)."""
     responses = []
     for request in requests:
         try:
             responses.append(pb_utils.InferenceResponse(handle(request)))
         except InvalidInput as exc:
-            responses.append(error(str(exc)))
+            responses.append(error(str(exc), invalid=True))
+        except ForwardedError as exc:
+            responses.append(error(str(exc), code=exc.code))
         except Exception as exc:
             logging.getLogger(f"backends.{what}").exception("request failed")
             responses.append(error(f"{what}: {exc}"))

@@ -34,13 +34,19 @@ from backends.core.engine.denoiser import DenoiseJob  # noqa: E402
 from backends.core.engine.loop import DenoiseResult  # noqa: E402
 from backends.core.request.adapter_inputs import decode_control_image  # noqa: E402
 from backends.core.request.contract import WIRE_DTYPES, controlnet_decl  # noqa: E402
+from backends.core.request.params import InvalidInput  # noqa: E402
 from backends.core.runtime.unet_split import num_skips  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
-    Metrics, adapter_store_folder, artifact_folder, error, parameters, params_tensor, placement, read_params,
-    setup_logging)
+    INVALID_MARK, Metrics, adapter_store_folder, artifact_folder, error, parameters, params_tensor, placement,
+    read_params, setup_logging)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("backends.easel_denoiser")
+
+
+def _failure(message: str, invalid: bool):
+    """An error response; the client's mistakes carry INVALID_MARK too (see triton_adapter)."""
+    return error(INVALID_MARK + message if invalid else message, invalid=invalid)
 
 
 class LoraMetrics:
@@ -158,7 +164,7 @@ class TritonPythonModel:
                     pooled_embeds=pb_utils.get_input_tensor_by_name(request, "pooled_embeds").as_numpy(),
                     is_cancelled=sender.is_cancelled, controls=self._controls(request, params))
             except Exception as exc:
-                sender.send(error(f"denoiser: {exc}"), flags=FINAL)
+                sender.send(_failure(f"denoiser: {exc}", isinstance(exc, InvalidInput)), flags=FINAL)
                 continue
             self.pending[job.request_id] = (sender, params)
             if params.loras:  # file I/O runs in the loader processes, never on Triton's thread or the loop
@@ -182,7 +188,7 @@ class TritonPythonModel:
             self.control_metrics.update()
             self.runtime_metrics.update()
             if result.error is not None:
-                sender.send(error(f"denoiser: {result.error}"), flags=FINAL)
+                sender.send(_failure(f"denoiser: {result.error}", result.invalid), flags=FINAL)
                 continue
             params = params.with_trace(queue_s=result.queue_s, denoise_s=result.denoise_s,
                                        max_batch=result.max_batch, denoiser=self.name, lora_step=result.lora_step,

@@ -21,7 +21,7 @@ import itertools  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from backends.core.request.contract import DENOISER  # noqa: E402
-from backends.triton_adapter import each_request, parameters, setup_logging  # noqa: E402
+from backends.triton_adapter import ForwardedError, each_request, parameters, setup_logging  # noqa: E402
 
 
 class TritonPythonModel:
@@ -48,7 +48,7 @@ class TritonPythonModel:
         final = None
         for response in bls.exec(decoupled=True):
             if response.has_error():
-                raise RuntimeError(response.error().message())
+                raise ForwardedError(response.error())
             if response.output_tensors():
                 final = response
         if final is None:

@@ -39,10 +39,12 @@ def test_invalid_values_are_named(client, overrides, expected):
             try:
                 client._client.infer("easel", inputs)
             except InferenceServerException as e:
-                raise EaselError(e.message()) from e
+                raise EaselError(e.message(), e.status()) from e
         else:
             client.generate(prompt, **request)
     assert expected in str(err.value)
+    # The client's mistake, said so: gRPC INVALID_ARGUMENT / HTTP 400, not INTERNAL / 500.
+    assert err.value.status in ("StatusCode.INVALID_ARGUMENT", "400"), err.value.status
     assert client.is_ready()
 
 

@@ -77,5 +77,6 @@ def test_bad_controlnet_inputs_fail_alone(http_client, tiny_model, controls, exp
     with pytest.raises(EaselError) as err:
         http_client.generate("a red house", seed=1, steps=2, width=64, height=64, **controls)
     assert expected in str(err.value)
+    assert err.value.status == "400"  # the client's mistake
     ok = http_client.generate("a red house", seed=1, steps=2, width=64, height=64)
     assert ok.image().size == (64, 64)

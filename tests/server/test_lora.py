@@ -82,8 +82,9 @@ def test_broken_lora_fails_its_request_alone(shared, name, expected):
     alone = good()
     with ThreadPoolExecutor(max_workers=1) as pool, EaselClient(shared.url_http) as c:
         beside = pool.submit(good)
-        with pytest.raises(EaselError, match=expected):
+        with pytest.raises(EaselError, match=expected) as err:
             c.generate("a fox", seed=1, steps=8, width=64, height=64, loras=("inkwash", name))
+        assert err.value.status == "400"  # the client's mistake, through the ensemble and BLS
         assert np.array_equal(beside.result(), alone)
         assert c.is_ready()
     assert not _segments_left(shared)

@@ -22,6 +22,7 @@ from typing import Callable
 import numpy as np
 
 from backends.core.engine.denoiser import DenoiseJob, RequestState, TorchDenoiser
+from backends.core.request.params import InvalidInput
 from backends.core.engine.scheduler import SchedulerConfig, SeqState, Status, StepOutput, StepScheduler
 
 log = logging.getLogger(__name__)
@@ -40,6 +41,7 @@ class DenoiseResult:
     lora_step: int | None = None  # the step before which its LoRAs were merged
     lora_waited: bool = False  # it waited at its bound for them
     lora_wait_s: float = 0.0  # for how long
+    invalid: bool = False  # it failed on the client's input (a bad LoRA, say), not on the server
 
 
 class DenoiseLoop:
@@ -51,6 +53,7 @@ class DenoiseLoop:
         self.states: dict[str, RequestState] = {}
         self._inbox: queue.Queue[DenoiseJob | None | str] = queue.Queue()
         self._stopping = threading.Event()
+        self._invalid: set[str] = set()  # requests failed by their own input
         self._thread = threading.Thread(target=self._run, name="easel-denoise-loop", daemon=True)
 
     def start(self) -> None:
@@ -111,7 +114,8 @@ class DenoiseLoop:
             self.scheduler.add(seq)
         except Exception as exc:
             log.warning("request %s refused: %s", job.request_id, exc)
-            self.on_done(DenoiseResult(job.request_id, None, str(exc), 0.0, 0.0, 0))
+            self.on_done(DenoiseResult(job.request_id, None, str(exc), 0.0, 0.0, 0,
+                                       invalid=isinstance(exc, InvalidInput)))
             return
         self.states[job.request_id] = state
         if job.loras:
@@ -132,6 +136,8 @@ class DenoiseLoop:
             try:
                 state.job.loras = self.engine.adopt_loras(future.result())
             except Exception as exc:  # unreadable, or does not fit the UNet: this request only
+                if isinstance(exc, InvalidInput):
+                    self._invalid.add(rid)
                 self._abort(rid, Status.FAILED, str(exc))
                 continue
             state.lora_step = state.index
@@ -156,4 +162,5 @@ class DenoiseLoop:
         latents = self.engine.result(state) if seq.status is Status.FINISHED else None
         self.on_done(DenoiseResult(seq.request_id, latents, seq.error, first - seq.arrival, now - first,
                                    seq.steps_done, state.max_batch, state.lora_step, seq.waited_at_bound,
-                                   seq.bound_wait_s))
+                                   seq.bound_wait_s, invalid=seq.request_id in self._invalid))
+        self._invalid.discard(seq.request_id)
