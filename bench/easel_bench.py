@@ -37,7 +37,6 @@ import importlib.metadata
 import io
 import json
 import logging
-import math
 import os
 import re
 import shutil
@@ -54,11 +53,13 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.bench_report import (GUIDANCE, LABELS, SYSTEMS, image_path, load_results, markdown, percentile, phase,
+                                plot, secs, times, write_report)
+
 log = logging.getLogger("bench.easel_bench")
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PROMPT = "a yellow car"
-GUIDANCE = 5.0
 SCHEDULER = "euler"  # Easel's name for diffusers' EulerDiscreteScheduler, the model's own
 WARMUP_STEPS = 3  # warm-up calls: compile, then CUDA-graph record, then a replay (reduce-overhead)
 LORA_SCALE = 0.8
@@ -66,11 +67,7 @@ LORA_STD = 1e-3
 CONTROLNET_NAMES = ("canny", "depth")  # the ControlNet bench's names (same seeds: same files); then cn<i>
 METRIC_PREFIXES = ("easel_", "nv_inference_", "nv_gpu_")
 SERVER_CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
-SYSTEMS = ("easel", "diffusers_eager", "diffusers_compiled")
-LABELS = {"easel": "Easel", "diffusers_eager": "diffusers eager", "diffusers_compiled": "diffusers compiled"}
-REQUIRED_TOP = ("gpu", "driver", "versions", "command", "date", "configs")
-REQUIRED_CONFIG = ("name", "gpus", "steps", "size", "easel_p50_s", "easel_p95_s", "diffusers_eager_p50_s",
-                   "diffusers_compiled_p50_s", "throughput_img_s")
+
 
 
 # --- command line ----------------------------------------------------------------------------
@@ -229,283 +226,6 @@ def now() -> str:
     return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
-# --- statistics and the summary of one configuration --------------------------------------------
-
-
-def percentile(samples, q: float) -> float | None:
-    """Linear interpolation between order statistics (numpy's default); None without samples."""
-    return float(np.percentile(np.asarray(samples, dtype=float), q)) if samples else None
-
-
-def _ratio(a, b) -> float | None:
-    return a / b if a is not None and b else None
-
-
-def _phase(entry: dict, system: str) -> dict:
-    """A phase's record when it measured something (not skipped, not failed before its samples)."""
-    rec = entry.get(system) or {}
-    return rec if rec.get("latency_s") else {}
-
-
-def finalize(entry: dict, images: Path | None = None) -> dict:
-    """Fill the summary fields of one configuration from its raw sections (in place)."""
-    for system in SYSTEMS:
-        samples = _phase(entry, system).get("latency_s") or []
-        entry[f"{system}_p50_s"] = percentile(samples, 50)
-        entry[f"{system}_p95_s"] = percentile(samples, 95)
-    entry["ratio_easel_over_diffusers_eager"] = _ratio(entry["easel_p50_s"], entry["diffusers_eager_p50_s"])
-    entry["ratio_easel_over_diffusers_compiled"] = _ratio(entry["easel_p50_s"], entry["diffusers_compiled_p50_s"])
-    levels = sorted({int(c) for system in SYSTEMS for c in (entry.get(system) or {}).get("throughput", {})})
-    entry["throughput_img_s"] = {
-        str(c): {system: ((entry.get(system) or {}).get("throughput", {}).get(str(c)) or {}).get("img_s")
-                 for system in SYSTEMS} for c in levels}
-    easel = entry.get("easel") or {}
-    entry["easel_stages_median_s"] = easel.get("stages_median_s")
-    cold = easel.get("cold_start_s") or {}
-    entry["cold_start_first_s"], entry["cold_start_second_s"] = cold.get("first"), cold.get("second")
-    entry["easel_runtime"] = easel.get("runtime") or entry.get("runtime")
-    entry["diffusers_compile_mode"] = (entry.get("diffusers_compiled") or {}).get("mode")
-    if images is not None:  # a run that skipped a phase keeps the comparison made when its images existed
-        for key, found in (("fidelity", compare_images(images, entry["name"], "easel", "diffusers_eager",
-                                                       entry["easel_runtime"])),
-                           ("fidelity_compiled_vs_eager", compare_images(images, entry["name"], "diffusers_compiled",
-                                                                         "diffusers_eager"))):
-            if found is not None or entry.get(key) is None:
-                entry[key] = found
-    entry.setdefault("fidelity", None)
-    return entry
-
-
-def image_path(images: Path, name: str, system: str, runtime: str | None = None) -> Path:
-    """The seed-0 image of a configuration's system (Easel's per runtime)."""
-    tag = f"{system}-{runtime}" if system == "easel" and runtime else system
-    return images / f"{name.replace('/', '-')}-{tag}-seed0.png"
-
-
-def compare_images(images: Path, name: str, system: str, reference: str, runtime: str | None = None) -> dict | None:
-    """PSNR and SSIM of `system`'s seed-0 image against `reference`'s (uint8 RGB), if both exist."""
-    from PIL import Image
-
-    from backends.core.stages import image_metrics
-
-    a_path, b_path = image_path(images, name, system, runtime), image_path(images, name, reference)
-    if not (a_path.is_file() and b_path.is_file()):
-        return None
-    a = np.asarray(Image.open(a_path).convert("RGB"))
-    b = np.asarray(Image.open(b_path).convert("RGB"))
-    if a.shape != b.shape:
-        return {"error": f"shapes differ: {a.shape} vs {b.shape}"}
-    diff = np.abs(a.astype(np.int16) - b.astype(np.int16))
-    psnr = image_metrics.psnr(a, b)
-    out = {"image": a_path.name, "reference": b_path.name, "identical": bool(diff.max() == 0),
-           # None when identical (infinite PSNR: JSON has no infinity)
-           "psnr_db": None if math.isinf(psnr) else psnr,
-           "max_abs_diff": int(diff.max()), "mean_abs_diff": float(diff.mean())}
-    if hasattr(image_metrics, "ssim"):
-        out["ssim"] = image_metrics.ssim(a, b)
-    return out
-
-
-def validate(results: dict) -> list[str]:
-    """The required keys that are missing (empty when the file has the agreed layout)."""
-    missing = [k for k in REQUIRED_TOP if k not in results]
-    for index, entry in enumerate(results.get("configs", [])):
-        missing += [f"configs[{index}].{k}" for k in REQUIRED_CONFIG if k not in entry]
-        for c, row in (entry.get("throughput_img_s") or {}).items():
-            missing += [f"configs[{index}].throughput_img_s[{c}].{s}" for s in SYSTEMS if s not in row]
-    return missing
-
-
-# --- the report ------------------------------------------------------------------------------
-
-
-def _s(value, digits: int = 3) -> str:
-    return "n/a" if value is None else f"{value:.{digits}f}"
-
-
-def _x(value) -> str:
-    return "n/a" if value is None else f"{value:.2f}x"
-
-
-def markdown(results: dict) -> str:
-    """results.json as Markdown tables."""
-    configs = results.get("configs", [])
-    gpu = results.get("gpu")
-    v = results.get("versions") or {}
-    lines = [f"# Easel bench: {gpu}, {results.get('date')}", "",
-             f"Driver {results.get('driver') or 'n/a'}; "
-             + ", ".join(f"{k} {val}" for k, val in v.items() if val) + ".", "",
-             "Command: `" + " ".join(results.get("command") or []) + "`", "",
-             ("CPU smoke: the tiny random model, fp32; this tests the script, it measures nothing. " if gpu == "cpu"
-              else "Random weights, SDXL base's shapes. ")
-             + "Latency: one request at a time, seeds 0..runs-1, "
-             f"guidance {GUIDANCE}, Euler. Easel's time is the client's (gRPC, PNG encoding included); "
-             "diffusers' ends at the PIL images in memory. p95 of a few samples is close to their maximum."
-             + (" LoRAs: Easel loads them per request (from the page cache) and merges them; diffusers loads, "
-                "fuses and unloads them once before timing (a fixed style)." if any(e.get("loras") for e in configs)
-                else ""), "",
-             "## Latency", "",
-             "| configuration | GPU | size | steps | Easel runtime | Easel p50 / p95 | diffusers eager p50 / p95 "
-             "| diffusers compiled p50 / p95 (mode) | Easel / eager | Easel / compiled |",
-             "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for e in configs:
-        lines.append(
-            f"| {e['name']} | {gpu} x{len(e.get('gpus') or [0])} | {e['size']} | {e['steps']} "
-            f"| {e.get('easel_runtime') or 'n/a'} "
-            f"| {_s(e.get('easel_p50_s'))} / {_s(e.get('easel_p95_s'))} s "
-            f"| {_s(e.get('diffusers_eager_p50_s'))} / {_s(e.get('diffusers_eager_p95_s'))} s "
-            f"| {_s(e.get('diffusers_compiled_p50_s'))} / {_s(e.get('diffusers_compiled_p95_s'))} s "
-            f"({e.get('diffusers_compile_mode') or 'n/a'}) "
-            f"| {_x(e.get('ratio_easel_over_diffusers_eager'))} | {_x(e.get('ratio_easel_over_diffusers_compiled'))} |")
-    lines += ["", "## Throughput (images/s)", "",
-              "Easel: c clients send at once, a few rounds, images / wall time. "
-              "diffusers: one call with c prompts.", "",
-              "| configuration | steps | concurrency | Easel | diffusers eager | diffusers compiled | Easel / eager "
-              "| Easel / compiled |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for e in configs:
-        for c, row in (e.get("throughput_img_s") or {}).items():
-            lines.append(f"| {e['name']} | {e.get('throughput_steps', 'n/a')} | {c} | {_s(row.get('easel'))} "
-                         f"| {_s(row.get('diffusers_eager'))} | {_s(row.get('diffusers_compiled'))} "
-                         f"| {_x(_ratio(row.get('easel'), row.get('diffusers_eager')))} "
-                         f"| {_x(_ratio(row.get('easel'), row.get('diffusers_compiled')))} |")
-    stage_names = sorted({k for e in configs for k in (e.get("easel_stages_median_s") or {})})
-    if stage_names:
-        lines += ["", "## Easel stages (median seconds of the latency requests, from each response's `info`)", "",
-                  "| configuration | " + " | ".join(stage_names) + " |",
-                  "| --- |" + " --- |" * len(stage_names)]
-        for e in configs:
-            stages = e.get("easel_stages_median_s") or {}
-            lines.append(f"| {e['name']} | " + " | ".join(_s(stages.get(k), 4) for k in stage_names) + " |")
-    lines += ["", "## Cold start", "",
-              "Easel: launch to ready, first start with the repository's compile cache empty, second start on the "
-              "same repository. Runtime warm-up: `easel_runtime_warmup_seconds` (capturing/compiling buckets at load). "
-              "diffusers: the first call of the compiled UNet (compiling included).", "",
-              "| configuration | Easel runtime | export s | first start s | second start s | runtime warm-up s "
-              "(first / second) | diffusers load s | diffusers compile + first call s |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for e in configs:
-        easel = e.get("easel") or {}
-        warm = easel.get("runtime_warmup_s") or {}
-        compiled = e.get("diffusers_compiled") or {}
-        lines.append(f"| {e['name']} | {e.get('easel_runtime') or 'n/a'} | {_s(easel.get('export_s'), 1)} "
-                     f"| {_s(e.get('cold_start_first_s'), 1)} | {_s(e.get('cold_start_second_s'), 1)} "
-                     f"| {_s(warm.get('first'), 1)} / {_s(warm.get('second'), 1)} "
-                     f"| {_s((e.get('diffusers_eager') or {}).get('load_s'), 1)} "
-                     f"| {_s(compiled.get('compile_s'), 1)} |")
-    lines += ["", "## Image fidelity (seed 0)", "",
-              "| configuration | compared | PSNR dB | SSIM | max abs diff (uint8) |", "| --- | --- | --- | --- | --- |"]
-    for e in configs:
-        for label, f in (("Easel vs diffusers eager", e.get("fidelity")),
-                         ("diffusers compiled vs eager", e.get("fidelity_compiled_vs_eager"))):
-            if not f or "error" in f:
-                lines.append(f"| {e['name']} | {label} | {(f or {}).get('error', 'n/a')} | | |")
-                continue
-            psnr = "inf (identical)" if f.get("identical") else _s(f.get("psnr_db"), 2)
-            lines.append(f"| {e['name']} | {label} | {psnr} | {_s(f.get('ssim'), 5)} | {f.get('max_abs_diff')} |")
-    failures = [(e["name"], s, (e.get(s) or {}).get("error")) for e in configs for s in SYSTEMS
-                if (e.get(s) or {}).get("error")]
-    if failures:
-        lines += ["", "## Failures", ""] + [f"- {n} {LABELS[s]}: {err.splitlines()[0]}" for n, s, err in failures]
-    lines += ["", "Plots: `latency.png` (p50, whiskers to p95), `throughput.png`. Raw samples, per-request `info`, "
-              "and the server's metrics: `results.json`.", ""]
-    return "\n".join(lines)
-
-
-def plot(results_json_path: str | Path) -> list[Path]:
-    """latency.png and throughput.png beside results.json (regenerable from committed JSON)."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
-
-    path = Path(results_json_path)
-    results = json.loads(path.read_text())
-    configs = results.get("configs", [])
-    colors = {"easel": "#1f77b4", "diffusers_eager": "#ff7f0e", "diffusers_compiled": "#2ca02c"}
-    written = []
-
-    fig, ax = plt.subplots(figsize=(max(6.5, 2.4 * len(configs) + 2.5), 4.8))
-    width = 0.27
-    top = max([e.get(f"{s}_p95_s") or e.get(f"{s}_p50_s") or 0.0 for e in configs for s in SYSTEMS] + [1e-9])
-    handles = []
-    for j, system in enumerate(SYSTEMS):
-        xs, p50s, ups = [], [], []
-        for i, e in enumerate(configs):
-            x, p50, p95 = i + (j - 1) * width, e.get(f"{system}_p50_s"), e.get(f"{system}_p95_s")
-            if p50 is None:
-                ax.text(x, 0.02 * top, "n/a", ha="center", va="bottom", fontsize=8, color=colors[system])
-                continue
-            xs.append(x)
-            p50s.append(p50)
-            ups.append(max(0.0, (p95 if p95 is not None else p50) - p50))
-            ax.text(x, p50 + ups[-1] + 0.015 * top, f"{p50:.2f}", ha="center", va="bottom", fontsize=8)
-        if xs:
-            ax.bar(xs, p50s, width, yerr=[[0.0] * len(ups), ups], capsize=4, color=colors[system])
-        handles.append(Patch(color=colors[system], label=LABELS[system] + ("" if xs else ": n/a")))
-    ax.set_xlim(-0.6, len(configs) - 0.4)
-    ax.set_ylim(0, top * 1.32)  # room for the legend above the bars
-    ax.set_xticks(range(len(configs)))
-    ax.set_xticklabels([f"{e['name']}\n{e['size']} px, {e['steps']} steps\nEasel {e.get('easel_runtime') or '?'}"
-                        for e in configs])
-    ax.set_ylabel("seconds per image (bar: p50; whisker: p95)")
-    ax.set_title(f"Latency, one request at a time: {results.get('gpu')}")
-    ax.grid(axis="y", alpha=0.3)
-    ax.legend(handles=handles, loc="upper center", ncol=3, fontsize=9)
-    fig.tight_layout()
-    written.append(path.parent / "latency.png")
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
-
-    fig, axes = plt.subplots(1, max(1, len(configs)), figsize=(5.0 * max(1, len(configs)), 4.2), squeeze=False)
-    for ax, e in zip(axes[0], configs):
-        rows = e.get("throughput_img_s") or {}
-        levels = sorted(int(c) for c in rows)
-        for system in SYSTEMS:
-            points = [(c, rows[str(c)].get(system)) for c in levels if rows[str(c)].get(system) is not None]
-            if points:
-                ax.plot([p[0] for p in points], [p[1] for p in points], marker="o", color=colors[system],
-                        label=LABELS[system])
-        ax.set_xticks(levels)
-        ax.set_xlabel("concurrent requests (diffusers: batch size)")
-        ax.set_ylabel("images / s")
-        ax.set_title(f"{e['name']}, {e['size']} px, {e.get('throughput_steps', '?')} steps, "
-                     f"Easel {e.get('easel_runtime') or e.get('runtime') or '?'}", fontsize=11)
-        ax.set_ylim(bottom=0)
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=9)
-    fig.suptitle(f"Throughput: {results.get('gpu')}")
-    fig.tight_layout()
-    written.append(path.parent / "throughput.png")
-    fig.savefig(written[-1], dpi=120)
-    plt.close(fig)
-    return written
-
-
-def write_report(results: dict, out: Path, final: bool = False) -> None:
-    """results.json and results.md as far as measured (a time limit still leaves them); the final
-    write also compares the images and draws the plots."""
-    out.mkdir(parents=True, exist_ok=True)
-    for entry in results["configs"]:
-        finalize(entry, out / "images" if final else None)
-    (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
-    (out / "results.md").write_text(markdown(results))
-    if final:
-        try:
-            plot(out / "results.json")
-        except ImportError as exc:  # the GPU image may lack matplotlib: --replot elsewhere
-            log.warning("no plots (%s); rerun with --replot %s where matplotlib is installed", exc, out)
-
-
-def load_results(out: Path) -> dict:
-    path = out / "results.json"
-    if path.is_file():
-        results = json.loads(path.read_text())
-        log.info("merging into %s (configurations: %s)", path, [e.get("name") for e in results.get("configs", [])])
-        return results
-    return {"configs": []}
-
-
 def config_entry(results: dict, setup: Setup, skip: set[str] = frozenset()) -> dict:
     """This run's configuration in `results`: the existing entry of the same name, size, steps,
     GPUs and Easel runtime (phases measured now replace its old ones), or a new one. A new one
@@ -522,7 +242,7 @@ def config_entry(results: dict, setup: Setup, skip: set[str] = frozenset()) -> d
             return entry
     entry = {"name": setup.name}
     for system in ("diffusers_eager", "diffusers_compiled"):
-        source = next((e for e in siblings if system in skip and _phase(e, system)), None)
+        source = next((e for e in siblings if system in skip and phase(e, system)), None)
         if source is not None:
             entry[system] = {**copy.deepcopy(source[system]), "copied_from_entry_with_runtime": source.get("runtime")}
             log.info("%s: %s taken from the entry with Easel runtime %s", setup.name, LABELS[system],
@@ -985,19 +705,19 @@ def run(setup: Setup, out: Path, skip: set[str], argv: list[str]) -> int:
 def summarize(e: dict, gpu: str) -> None:
     log.info("%s on %s, %d px, %d steps: Easel (%s) p50 %s s p95 %s s; diffusers eager p50 %s s; compiled (%s) "
              "p50 %s s; Easel/eager %s, Easel/compiled %s", e["name"], gpu, e["size"], e["steps"],
-             e.get("easel_runtime"), _s(e["easel_p50_s"]), _s(e["easel_p95_s"]), _s(e["diffusers_eager_p50_s"]),
-             e.get("diffusers_compile_mode") or "n/a", _s(e["diffusers_compiled_p50_s"]),
-             _x(e["ratio_easel_over_diffusers_eager"]), _x(e["ratio_easel_over_diffusers_compiled"]))
+             e.get("easel_runtime"), secs(e["easel_p50_s"]), secs(e["easel_p95_s"]), secs(e["diffusers_eager_p50_s"]),
+             e.get("diffusers_compile_mode") or "n/a", secs(e["diffusers_compiled_p50_s"]),
+             times(e["ratio_easel_over_diffusers_eager"]), times(e["ratio_easel_over_diffusers_compiled"]))
     for c, row in e["throughput_img_s"].items():
         log.info("throughput c=%s (%s steps): Easel %s, diffusers eager %s, compiled %s images/s", c,
-                 e.get("throughput_steps"), _s(row["easel"]), _s(row["diffusers_eager"]),
-                 _s(row["diffusers_compiled"]))
+                 e.get("throughput_steps"), secs(row["easel"]), secs(row["diffusers_eager"]),
+                 secs(row["diffusers_compiled"]))
     log.info("Easel stages (median s): %s", {k: round(v, 4) for k, v in (e.get("easel_stages_median_s") or {}).items()})
-    log.info("cold start: first %s s (cache empty), second %s s (cache warm)", _s(e["cold_start_first_s"], 1),
-             _s(e["cold_start_second_s"], 1))
+    log.info("cold start: first %s s (cache empty), second %s s (cache warm)", secs(e["cold_start_first_s"], 1),
+             secs(e["cold_start_second_s"], 1))
     f = e.get("fidelity") or {}
     log.info("fidelity seed 0, Easel vs diffusers eager: %s", "identical" if f.get("identical") else
-             f"PSNR {_s(f.get('psnr_db'), 2)} dB, SSIM {_s(f.get('ssim'), 5)}, max diff {f.get('max_abs_diff')}"
+             f"PSNR {secs(f.get('psnr_db'), 2)} dB, SSIM {secs(f.get('ssim'), 5)}, max diff {f.get('max_abs_diff')}"
              if f else "n/a")
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from bench import easel_bench
+from bench import bench_report, easel_bench
 
 
 def _config(name, compiled=True):
@@ -28,7 +28,7 @@ def _config(name, compiled=True):
                                 "throughput": throughput["diffusers_compiled"]} if compiled
                                else {"skipped": "--skip-diffusers-compiled"}),
     }
-    return easel_bench.finalize(entry)
+    return bench_report.finalize(entry)
 
 
 def test_finalize_summarizes_raw_samples():
@@ -52,10 +52,10 @@ def test_fidelity_from_the_seed0_images(tmp_path):
     ref = rng.integers(0, 256, (32, 32, 3), dtype=np.uint8)
     near = ref.copy()
     near[0, 0, 0] ^= 1
-    Image.fromarray(ref).save(easel_bench.image_path(tmp_path, "0C/0L", "diffusers_eager"))
-    Image.fromarray(near).save(easel_bench.image_path(tmp_path, "0C/0L", "easel", "graphs"))
-    Image.fromarray(ref).save(easel_bench.image_path(tmp_path, "0C/0L", "diffusers_compiled"))
-    entry = easel_bench.finalize({**_config("0C/0L")}, tmp_path)
+    Image.fromarray(ref).save(bench_report.image_path(tmp_path, "0C/0L", "diffusers_eager"))
+    Image.fromarray(near).save(bench_report.image_path(tmp_path, "0C/0L", "easel", "graphs"))
+    Image.fromarray(ref).save(bench_report.image_path(tmp_path, "0C/0L", "diffusers_compiled"))
+    entry = bench_report.finalize({**_config("0C/0L")}, tmp_path)
     f = entry["fidelity"]
     assert f["max_abs_diff"] == 1 and not f["identical"] and f["psnr_db"] > 60 and 0.99 < f["ssim"] <= 1
     same = entry["fidelity_compiled_vs_eager"]
@@ -67,10 +67,10 @@ def test_report_markdown_and_plots(tmp_path):
     results = {"gpu": "NVIDIA H200", "driver": "570.0", "versions": {"torch": "2.11.0", "diffusers": "0.42.1"},
                "command": ["easel", "bench", "--runs", "3"], "date": "2026-11-22T10:00:00+00:00",
                "configs": [_config("0C/0L"), _config("1C/1L", compiled=False)]}
-    assert easel_bench.validate(results) == []
-    assert "configs[0].easel_p50_s" in easel_bench.validate({**results, "configs": [{"name": "x"}]})
+    assert bench_report.validate(results) == []
+    assert "configs[0].easel_p50_s" in bench_report.validate({**results, "configs": [{"name": "x"}]})
 
-    md = easel_bench.markdown(results)
+    md = bench_report.markdown(results)
     assert "| 0C/0L | NVIDIA H200 x1 | 1024 | 50 | graphs | 2.600 / " in md
     assert "| 0C/0L | 30 | 4 | 1.100 | 0.750 | 1.000 | 1.47x | 1.10x |" in md
     assert "| 1C/1L | 30 | 8 | 1.500 | 0.800 | n/a | 1.88x | n/a |" in md
@@ -79,7 +79,7 @@ def test_report_markdown_and_plots(tmp_path):
 
     pytest.importorskip("matplotlib")
     (tmp_path / "results.json").write_text(json.dumps(results))
-    written = easel_bench.plot(tmp_path / "results.json")
+    written = bench_report.plot(tmp_path / "results.json")
     assert [p.name for p in written] == ["latency.png", "throughput.png"]
     for path in written:
         with Image.open(path) as img:
