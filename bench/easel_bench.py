@@ -47,7 +47,6 @@ import tempfile
 import threading
 import time
 import traceback
-import urllib.request
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -328,11 +327,7 @@ def metrics_snapshot(port: int) -> dict[str, dict[str, float]]:
     """Every metric family whose name starts with METRIC_PREFIXES: name -> {labels: value}."""
     from clients.serve import scrape_metrics
 
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
-    text = opener.open(f"http://127.0.0.1:{port}/metrics", timeout=10).read().decode()
-    names = sorted({line.split("{", 1)[0].split(" ", 1)[0] for line in text.splitlines()
-                    if line and not line.startswith("#") and line.startswith(METRIC_PREFIXES)})
-    return scrape_metrics(port, names)
+    return dict(sorted(scrape_metrics(port, prefixes=METRIC_PREFIXES).items()))
 
 
 def _total(snapshot: dict | None, name: str) -> float | None:

@@ -177,14 +177,15 @@ def server_env(triton: TritonInstall, project: Path,
     return env
 
 
-def scrape_metrics(port: int, names) -> dict[str, dict[str, float]]:
-    """Prometheus metrics from Triton's metrics port: name -> {label set: value}, for `names`."""
+def scrape_metrics(port: int, names=(), prefixes: tuple[str, ...] = ()) -> dict[str, dict[str, float]]:
+    """Prometheus metrics from Triton's metrics port: name -> {label set: value}, for `names`
+    (each present, if empty) and for every labelled metric whose name starts with one of `prefixes`."""
     text = urllib.request.urlopen(f"http://localhost:{port}/metrics", timeout=10).read().decode()
     values: dict[str, dict[str, float]] = {name: {} for name in names}
     for line in text.splitlines():
         name, _, rest = line.partition("{")
-        if name in values:
-            values[name][rest.rsplit("}", 1)[0]] = float(line.rsplit(" ", 1)[1])
+        if name in values or (rest and not line.startswith("#") and name.startswith(prefixes)):
+            values.setdefault(name, {})[rest.rsplit("}", 1)[0]] = float(line.rsplit(" ", 1)[1])
     return values
 
 
