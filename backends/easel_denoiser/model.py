@@ -115,11 +115,10 @@ class RuntimeMetrics:
         self.metrics.set("warmup_s", denoiser.warmup_s)
 
     def update(self) -> None:
-        stats = getattr(self.runtime, "stats", None)
-        if stats is not None:
-            self.metrics.set_total("graph", stats.graph_steps)
-            self.metrics.set_total("eager", stats.eager_steps)
-            self.metrics.set_total("captures", stats.captures)
+        stats = self.runtime.stats
+        self.metrics.set_total("graph", stats.graph_steps)
+        self.metrics.set_total("eager", stats.eager_steps)
+        self.metrics.set_total("captures", stats.captures)
 
 
 class TritonPythonModel:

@@ -53,7 +53,6 @@ class DenoiseLoop:
         self.states: dict[str, RequestState] = {}
         self._inbox: queue.Queue[DenoiseJob | None | str] = queue.Queue()
         self._stopping = threading.Event()
-        self._invalid: set[str] = set()  # requests failed by their own input
         self._thread = threading.Thread(target=self._run, name="easel-denoise-loop", daemon=True)
 
     def start(self) -> None:
@@ -136,9 +135,7 @@ class DenoiseLoop:
             try:
                 state.job.loras = self.engine.adopt_loras(future.result())
             except Exception as exc:  # unreadable, or does not fit the UNet: this request only
-                if isinstance(exc, InvalidInput):
-                    self._invalid.add(rid)
-                self._abort(rid, Status.FAILED, str(exc))
+                self._abort(rid, Status.FAILED, str(exc), invalid=isinstance(exc, InvalidInput))
                 continue
             state.lora_step = state.index
             seq = self.scheduler.find(rid)
@@ -150,17 +147,16 @@ class DenoiseLoop:
             if state.job.is_cancelled():
                 self._abort(rid, Status.CANCELLED, "cancelled by the client")
 
-    def _abort(self, rid: str, status: Status, why: str) -> None:
+    def _abort(self, rid: str, status: Status, why: str, invalid: bool = False) -> None:
         seq = self.scheduler.abort(rid, status, why)
         if seq is not None:
-            self._finish(seq)
+            self._finish(seq, invalid)
 
-    def _finish(self, seq: SeqState) -> None:
+    def _finish(self, seq: SeqState, invalid: bool = False) -> None:
         state = self.states.pop(seq.request_id)
         now = time.monotonic()
         first = seq.first_step_at if seq.first_step_at is not None else now
         latents = self.engine.result(state) if seq.status is Status.FINISHED else None
         self.on_done(DenoiseResult(seq.request_id, latents, seq.error, first - seq.arrival, now - first,
                                    seq.steps_done, state.max_batch, state.lora_step, seq.waited_at_bound,
-                                   seq.bound_wait_s, invalid=seq.request_id in self._invalid))
-        self._invalid.discard(seq.request_id)
+                                   seq.bound_wait_s, invalid=invalid))
