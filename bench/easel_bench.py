@@ -27,23 +27,16 @@ phases of the same configuration measured now replace the old ones), `<out>/resu
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import copy
 import dataclasses
 import datetime
-import gc
-import importlib.metadata
-import io
 import json
 import logging
 import os
-import re
 import shutil
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -52,177 +45,41 @@ from pathlib import Path
 
 import numpy as np
 
+from bench.bench_setup import (CONTROLNET_NAMES, LORA_SCALE, LORA_STD, PROMPT, RESULTS_DIR, SCHEDULER,
+                                SERVER_CACHE_ENV, Setup, control_images, driver_version, free_gpu, gpu_name,
+                                gpu_slug, now, parser, resolve, versions)
+from bench.diffusers_baseline import measure_diffusers
 from bench.bench_report import (GUIDANCE, LABELS, SYSTEMS, image_path, load_results, markdown, percentile, phase,
                                 plot, secs, times, write_report)
 
 log = logging.getLogger("bench.easel_bench")
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
-PROMPT = "a yellow car"
-SCHEDULER = "euler"  # Easel's name for diffusers' EulerDiscreteScheduler, the model's own
-WARMUP_STEPS = 3  # warm-up calls: compile, then CUDA-graph record, then a replay (reduce-overhead)
-LORA_SCALE = 0.8
-LORA_STD = 1e-3
-CONTROLNET_NAMES = ("canny", "depth")  # the ControlNet bench's names (same seeds: same files); then cn<i>
 METRIC_PREFIXES = ("easel_", "nv_inference_", "nv_gpu_")
-SERVER_CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
 
 
 
 # --- command line ----------------------------------------------------------------------------
 
 
-def parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog="easel bench", description=__doc__.splitlines()[0],
-        epilog="GPU defaults shown; --cpu-smoke runs the tiny model on CPU at 64 px, 4 steps, 2 runs, concurrency 1,2.")
-    p.add_argument("--work", type=Path, default=None,
-                   help="models, adapters and repositories (default: <tmp>/easel-bench, reused between runs)")
-    p.add_argument("--out", type=Path, default=None,
-                   help="results folder (default: bench/results/<YYYY-MM-DD>-<gpu>/)")
-    p.add_argument("--size", type=int, default=None, help="image width and height in px (1024)")
-    p.add_argument("--steps", type=int, default=None, help="denoising steps of the latency requests (50)")
-    p.add_argument("--throughput-steps", type=int, default=None, help="steps of the throughput requests (30)")
-    p.add_argument("--runs", type=int, default=None, help="timed single requests per system (5)")
-    p.add_argument("--concurrency", type=_int_list, default=None, help="concurrency levels, comma-separated (1,2,4,8)")
-    p.add_argument("--throughput-rounds", type=int, default=None,
-                   help="Easel: rounds of c concurrent requests per level (default max(2, 8 // c); smoke 2); "
-                        "diffusers makes one batched call per level")
-    p.add_argument("--runtime", choices=("eager", "graphs", "compiled"), default=None,
-                   help="Easel's UNet runtime (export --runtime; default: export's, compiled on a GPU)")
-    p.add_argument("--row-buckets", type=_int_list, default=None,
-                   help="Easel: UNet row counts captured at load (default: export's, 2,4,8,16)")
-    p.add_argument("--fused-kernels", action="store_true", help="Easel with plugins' fused GroupNorm+SiLU and GEGLU")
-    p.add_argument("--controlnets", type=int, default=0, help="ControlNets per request (random SDXL-size ones)")
-    p.add_argument("--loras", type=int, default=0, help="LoRAs per request (random SDXL-size ones)")
-    p.add_argument("--lora-mib", type=float, default=340.0, help="size of each random LoRA file (fp16)")
-    p.add_argument("--gpus", type=_int_list, default=(0,), help="Easel's GPU ids (one denoiser each); "
-                   "diffusers runs on the first")
-    p.add_argument("--skip-easel", action="store_true", help="keep Easel's results already in --out")
-    p.add_argument("--skip-diffusers-eager", action="store_true", help="keep those already in --out")
-    p.add_argument("--skip-diffusers-compiled", action="store_true", help="keep those already in --out (or none)")
-    p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a server start may take")
-    p.add_argument("--cpu-smoke", action="store_true",
-                   help="the whole run on CPU with the tiny model (fp32, eager, no torch.compile): tests the script")
-    p.add_argument("--replot", type=Path, default=None, metavar="DIR",
-                   help="only rewrite DIR/results.md and the plots from DIR/results.json")
-    return p
 
 
-def _int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give one or more non-negative integers")
-    return values
 
 
-@dataclasses.dataclass(frozen=True)
-class Setup:
-    """The resolved settings of one run."""
-
-    work: Path
-    device: str  # cpu | cuda
-    dtype: str  # fp16 | fp32
-    size: int
-    steps: int
-    throughput_steps: int
-    runs: int
-    concurrency: tuple[int, ...]
-    rounds: int | None
-    runtime: str | None
-    row_buckets: tuple[int, ...] | None
-    fused_kernels: bool
-    controlnets: int
-    loras: int
-    lora_mib: float
-    gpus: tuple[int, ...]
-    ready_timeout: float
-    smoke: bool
-
-    @property
-    def name(self) -> str:
-        return f"{self.controlnets}C/{self.loras}L"
-
-    @property
-    def torch_device(self) -> str:
-        return f"cuda:{self.gpus[0]}" if self.device == "cuda" else "cpu"
-
-    @property
-    def resolved_runtime(self) -> str:
-        from backends.core.runtime.config import default_kind
-
-        return (self.runtime or default_kind(self.device)) + ("+fused" if self.fused_kernels else "")
-
-    def easel_rounds(self, c: int) -> int:
-        return self.rounds or (2 if self.smoke else max(2, 8 // c))
 
 
-def resolve(args: argparse.Namespace) -> Setup:
-    smoke = args.cpu_smoke
-    if smoke and args.runtime not in (None, "eager"):
-        raise SystemExit(f"easel bench: --cpu-smoke runs the eager runtime, not {args.runtime}")
-    defaults = dict(size=64, steps=4, throughput_steps=4, runs=2, concurrency=(1, 2)) if smoke else dict(
-        size=1024, steps=50, throughput_steps=30, runs=5, concurrency=(1, 2, 4, 8))
-    pick = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
-    if min(pick["concurrency"]) < 1 or pick["runs"] < 1:
-        raise SystemExit("easel bench: --runs and every --concurrency level must be at least 1")
-    work = args.work or Path(tempfile.gettempdir()) / ("easel-bench-smoke" if smoke else "easel-bench")
-    return Setup(work=work, device="cpu" if smoke else "cuda", dtype="fp32" if smoke else "fp16",
-                 runtime="eager" if smoke else args.runtime, rounds=args.throughput_rounds,
-                 row_buckets=args.row_buckets, fused_kernels=args.fused_kernels, controlnets=args.controlnets,
-                 loras=args.loras,
-                 lora_mib=0.25 if smoke else args.lora_mib, gpus=tuple(args.gpus), ready_timeout=args.ready_timeout,
-                 smoke=smoke, **pick)
 
 
 # --- the host ----------------------------------------------------------------------------------
 
 
-def gpu_name(setup: Setup) -> str:
-    if setup.device != "cuda":
-        return "cpu"
-    import torch
-
-    return torch.cuda.get_device_name(setup.gpus[0])
 
 
-def gpu_slug(name: str, count: int = 1) -> str:
-    """'NVIDIA H200' -> 'h200'; two of them -> 'h200x2'."""
-    slug = re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-") or "gpu"
-    return f"{slug}x{count}" if count > 1 else slug
 
 
-def driver_version() -> str | None:
-    try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                              capture_output=True, text=True, timeout=30, check=True)
-    except (OSError, subprocess.SubprocessError):
-        return None
-    lines = done.stdout.strip().splitlines()
-    return lines[0].strip() if lines else None
 
 
-def versions() -> dict[str, str | None]:
-    out: dict[str, str | None] = {"python": sys.version.split()[0]}
-    for package in ("torch", "diffusers", "transformers", "triton", "tritonclient", "nvidia-pytriton", "numpy"):
-        try:
-            out[package] = importlib.metadata.version(package)
-        except importlib.metadata.PackageNotFoundError:
-            out[package] = None
-    try:
-        import torch
-
-        out["torch"], out["cuda"] = torch.__version__, torch.version.cuda
-    except ImportError:
-        pass
-    return out
 
 
-def now() -> str:
-    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
 
 
 def config_entry(results: dict, setup: Setup, skip: set[str] = frozenset()) -> dict:
@@ -271,15 +128,11 @@ def prepare(setup: Setup) -> dict:
         if setup.loras:
             out["loras"] = write_loras(store, model / "unet", [setup.lora_mib] * setup.loras, LORA_STD,
                                        setup.torch_device)
-    _free_gpu(setup)
+    free_gpu(setup)
     out["adapters_s"] = time.perf_counter() - start - out["write_model_s"]
     return out
 
 
-def control_images(setup: Setup, count: int) -> list[bytes]:
-    from bench.controlnet_sdxl import control_png
-
-    return [control_png(setup.size, i) for i in range(count)]
 
 
 def fingerprint(model: Path) -> str:
@@ -298,12 +151,6 @@ def fingerprint(model: Path) -> str:
     return digest.hexdigest()[:16]
 
 
-def _free_gpu(setup: Setup) -> None:
-    gc.collect()
-    if setup.device == "cuda":
-        import torch
-
-        torch.cuda.empty_cache()
 
 
 # --- Easel -----------------------------------------------------------------------------------
@@ -505,127 +352,8 @@ def easel_throughput(url: str, c: int, setup: Setup, request: dict) -> dict:
 # --- diffusers -------------------------------------------------------------------------------
 
 
-def diffusers_pipeline(setup: Setup, prep: dict):
-    """What a diffusers user runs: the pipeline (with its ControlNets) on the device; LoRAs loaded,
-    weighted, fused into the weights and unloaded once, before any timing."""
-    import torch
-    from diffusers import (ControlNetModel, EulerDiscreteScheduler, MultiControlNetModel,
-                           StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline)
-    from PIL import Image
-
-    torch_dtype = torch.float16 if setup.dtype == "fp16" else torch.float32
-    pipe = StableDiffusionXLPipeline.from_pretrained(prep["model"], dtype=torch_dtype, add_watermarker=False)
-    pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config)  # the request's `euler`
-    extra = {}
-    if prep["controlnets"]:
-        nets = [ControlNetModel.from_pretrained(prep["store"] / "controlnets" / n, dtype=torch_dtype)
-                for n in prep["controlnets"]]
-        pipe = StableDiffusionXLControlNetPipeline(**pipe.components, controlnet=nets[0] if len(nets) == 1
-                                                   else MultiControlNetModel(nets), add_watermarker=False)
-        pictures = [Image.open(io.BytesIO(png)) for png in control_images(setup, len(nets))]
-        extra["image"] = pictures[0] if len(nets) == 1 else pictures
-    pipe = pipe.to(setup.torch_device)
-    pipe.set_progress_bar_config(disable=True)
-    if prep["loras"]:
-        names = [x["name"] for x in prep["loras"]]
-        for lora in prep["loras"]:
-            pipe.load_lora_weights(lora["path"], adapter_name=lora["name"])
-        pipe.set_adapters(names, adapter_weights=[LORA_SCALE] * len(names))
-        pipe.fuse_lora(adapter_names=names)
-        pipe.unload_lora_weights()
-    return pipe, extra
 
 
-def measure_diffusers(setup: Setup, prep: dict, images: Path, rec: dict, save, compiled: bool) -> None:
-    import torch
-
-    system = "diffusers_compiled" if compiled else "diffusers_eager"
-
-    def sync():
-        if setup.device == "cuda":
-            torch.cuda.synchronize(setup.torch_device)
-
-    def call(count: int, steps: int, seeds: list[int]):
-        return pipe([PROMPT] * count, width=setup.size, height=setup.size, num_inference_steps=steps,
-                    guidance_scale=GUIDANCE, generator=[torch.Generator("cpu").manual_seed(s) for s in seeds],
-                    **extra).images
-
-    def timed(fn) -> float:
-        sync()
-        start = time.perf_counter()
-        fn()
-        sync()
-        return time.perf_counter() - start
-
-    rec.update(date=now(), dtype=setup.dtype, device=setup.torch_device, scheduler="EulerDiscreteScheduler",
-               lora="loaded, set_adapters, fused and unloaded once before timing" if prep["loras"] else None)
-    start = time.perf_counter()
-    pipe, extra = diffusers_pipeline(setup, prep)
-    rec["load_s"] = time.perf_counter() - start
-    original = saved_env = None
-    try:
-        if compiled:
-            # empty: the compile is cold, as Easel's first start is
-            inductor_cache = setup.work / "diffusers-inductor-cache"
-            shutil.rmtree(inductor_cache, ignore_errors=True)
-            saved_env = {k: os.environ.get(k) for k in SERVER_CACHE_ENV}
-            os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(inductor_cache)
-            os.environ["TRITON_CACHE_DIR"] = str(inductor_cache / "triton")
-            rec["inductor_cache"] = str(inductor_cache)
-            original = pipe.unet
-            rec["compile_errors"] = []
-            for mode in ("reduce-overhead", "default"):
-                pipe.unet = torch.compile(original, mode=None if mode == "default" else mode)
-                try:
-                    rec["compile_s"] = timed(lambda: call(1, WARMUP_STEPS, [0]))
-                    rec["mode"] = mode
-                    break
-                except Exception as exc:
-                    log.warning("torch.compile mode %s failed: %s", mode, exc)
-                    rec["compile_errors"].append({"mode": mode, "error": f"{type(exc).__name__}: {exc}"[:4000]})
-                    pipe.unet = original
-                    torch._dynamo.reset()
-                    _free_gpu(setup)
-            else:
-                raise RuntimeError("torch.compile failed in every mode: " + "; ".join(
-                    e["error"].splitlines()[0] for e in rec["compile_errors"]))
-            log.info("diffusers compiled (%s): compile + first call %.1fs", rec["mode"], rec["compile_s"])
-        else:
-            rec["warmup_s"] = timed(lambda: call(1, WARMUP_STEPS, [0]))
-        save()
-
-        rec["latency_s"] = []
-        for seed in range(setup.runs):
-            box = {}
-            rec["latency_s"].append(timed(lambda: box.update(images=call(1, setup.steps, [seed]))))
-            if seed == 0:
-                # PIL images are diffusers' numpy_to_pil of the output: (x * 255).round().astype(uint8)
-                box["images"][0].save(image_path(images, setup.name, system))
-            log.info("%s seed %d: %.3fs", LABELS[system], seed, rec["latency_s"][-1])
-        save()
-
-        rec["throughput"] = {}
-        for c in setup.concurrency:
-            warmup = timed(lambda: call(c, WARMUP_STEPS, list(range(c))))
-            wall = timed(lambda: call(c, setup.throughput_steps, [1000 + i for i in range(c)]))
-            rec["throughput"][str(c)] = {"batch": c, "steps": setup.throughput_steps, "images": c, "wall_s": wall,
-                                         "img_s": c / wall, "warmup_s": warmup}
-            log.info("%s batch %d: %.3f images/s (%.2fs; warm-up %.1fs)", LABELS[system], c, c / wall, wall, warmup)
-            save()
-        if setup.device == "cuda":
-            rec["max_memory_allocated_bytes"] = torch.cuda.max_memory_allocated(setup.torch_device)
-    finally:
-        del pipe, extra, original  # every reference to the weights, before emptying the cache
-        if saved_env is not None:
-            torch._dynamo.reset()  # and the CUDA-graph trees, which hold their memory pool
-            for key, value in saved_env.items():  # as they were
-                if value is None:
-                    os.environ.pop(key, None)
-                else:
-                    os.environ[key] = value
-        _free_gpu(setup)
-        if setup.device == "cuda":
-            torch.cuda.reset_peak_memory_stats(setup.torch_device)
 
 
 # --- main ------------------------------------------------------------------------------------

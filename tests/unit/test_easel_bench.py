@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from bench import bench_report, easel_bench
+from bench import bench_report, bench_setup, easel_bench
 
 
 def _config(name, compiled=True):
@@ -93,30 +93,30 @@ def test_report_markdown_and_plots(tmp_path):
 
 
 def test_runs_merge_by_configuration_and_runtime():
-    parse = easel_bench.parser().parse_args
-    graphs = easel_bench.resolve(parse(["--runtime", "graphs"]))
+    parse = bench_setup.parser().parse_args
+    graphs = bench_setup.resolve(parse(["--runtime", "graphs"]))
     results = {"configs": [{**_config("0C/0L"), "runtime": "graphs"}]}
     assert easel_bench.config_entry(results, graphs) is results["configs"][0]  # phases measured now replace
     # Another Easel runtime is its own entry; the diffusers phases it skips come from its sibling.
-    compiled = easel_bench.resolve(parse(["--runtime", "compiled"]))
+    compiled = bench_setup.resolve(parse(["--runtime", "compiled"]))
     entry = easel_bench.config_entry(results, compiled, {"diffusers_eager", "diffusers_compiled"})
     assert len(results["configs"]) == 2 and entry["name"] == "0C/0L"
     assert entry["diffusers_eager"]["latency_s"] == [3.6, 3.5, 3.7]
     assert entry["diffusers_eager"]["copied_from_entry_with_runtime"] == "graphs"
     assert "copied_from_entry_with_runtime" not in results["configs"][0]["diffusers_eager"]
-    other = easel_bench.config_entry(results, easel_bench.resolve(parse(["--loras", "1"])))
+    other = easel_bench.config_entry(results, bench_setup.resolve(parse(["--loras", "1"])))
     assert other["name"] == "0C/1L" and "diffusers_eager" not in other and len(results["configs"]) == 3
 
 
 def test_setup_defaults_and_gpu_slug():
-    gpu = easel_bench.resolve(easel_bench.parser().parse_args([]))
+    gpu = bench_setup.resolve(bench_setup.parser().parse_args([]))
     assert (gpu.size, gpu.steps, gpu.throughput_steps, gpu.runs, gpu.concurrency) == (1024, 50, 30, 5, (1, 2, 4, 8))
     assert (gpu.device, gpu.dtype, gpu.name, gpu.easel_rounds(1), gpu.easel_rounds(8)) == (
         "cuda", "fp16", "0C/0L", 8, 2)
-    smoke = easel_bench.resolve(easel_bench.parser().parse_args(["--cpu-smoke", "--loras", "2"]))
+    smoke = bench_setup.resolve(bench_setup.parser().parse_args(["--cpu-smoke", "--loras", "2"]))
     assert (smoke.device, smoke.dtype, smoke.size, smoke.steps, smoke.runtime, smoke.name) == (
         "cpu", "fp32", 64, 4, "eager", "0C/2L")
-    assert easel_bench.gpu_slug("NVIDIA H200") == "h200"
-    assert easel_bench.gpu_slug("NVIDIA H100 80GB HBM3", 2) == "h100-80gb-hbm3x2"
+    assert bench_setup.gpu_slug("NVIDIA H200") == "h200"
+    assert bench_setup.gpu_slug("NVIDIA H100 80GB HBM3", 2) == "h100-80gb-hbm3x2"
     with pytest.raises(SystemExit):
-        easel_bench.parser().parse_args(["--concurrency", "1,x"])
+        bench_setup.parser().parse_args(["--concurrency", "1,x"])

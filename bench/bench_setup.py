@@ -1,0 +1,188 @@
+"""`easel bench`'s command line, the run's typed settings, the host it runs on, and the helpers
+both measured systems share (control images, freeing the GPU between phases)."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import datetime
+import gc
+import importlib.metadata
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+PROMPT = "a yellow car"
+SCHEDULER = "euler"  # Easel's name for diffusers' EulerDiscreteScheduler, the model's own
+WARMUP_STEPS = 3  # warm-up calls: compile, then CUDA-graph record, then a replay (reduce-overhead)
+LORA_SCALE = 0.8
+LORA_STD = 1e-3
+SERVER_CACHE_ENV = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")  # compile caches a phase must not inherit
+CONTROLNET_NAMES = ("canny", "depth")  # the ControlNet bench's names (same seeds: same files); then cn<i>
+
+
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="easel bench", description=__doc__.splitlines()[0],
+        epilog="GPU defaults shown; --cpu-smoke runs the tiny model on CPU at 64 px, 4 steps, 2 runs, concurrency 1,2.")
+    p.add_argument("--work", type=Path, default=None,
+                   help="models, adapters and repositories (default: <tmp>/easel-bench, reused between runs)")
+    p.add_argument("--out", type=Path, default=None,
+                   help="results folder (default: bench/results/<YYYY-MM-DD>-<gpu>/)")
+    p.add_argument("--size", type=int, default=None, help="image width and height in px (1024)")
+    p.add_argument("--steps", type=int, default=None, help="denoising steps of the latency requests (50)")
+    p.add_argument("--throughput-steps", type=int, default=None, help="steps of the throughput requests (30)")
+    p.add_argument("--runs", type=int, default=None, help="timed single requests per system (5)")
+    p.add_argument("--concurrency", type=int_list, default=None, help="concurrency levels, comma-separated (1,2,4,8)")
+    p.add_argument("--throughput-rounds", type=int, default=None,
+                   help="Easel: rounds of c concurrent requests per level (default max(2, 8 // c); smoke 2); "
+                        "diffusers makes one batched call per level")
+    p.add_argument("--runtime", choices=("eager", "graphs", "compiled"), default=None,
+                   help="Easel's UNet runtime (export --runtime; default: export's, compiled on a GPU)")
+    p.add_argument("--row-buckets", type=int_list, default=None,
+                   help="Easel: UNet row counts captured at load (default: export's, 2,4,8,16)")
+    p.add_argument("--fused-kernels", action="store_true", help="Easel with plugins' fused GroupNorm+SiLU and GEGLU")
+    p.add_argument("--controlnets", type=int, default=0, help="ControlNets per request (random SDXL-size ones)")
+    p.add_argument("--loras", type=int, default=0, help="LoRAs per request (random SDXL-size ones)")
+    p.add_argument("--lora-mib", type=float, default=340.0, help="size of each random LoRA file (fp16)")
+    p.add_argument("--gpus", type=int_list, default=(0,), help="Easel's GPU ids (one denoiser each); "
+                   "diffusers runs on the first")
+    p.add_argument("--skip-easel", action="store_true", help="keep Easel's results already in --out")
+    p.add_argument("--skip-diffusers-eager", action="store_true", help="keep those already in --out")
+    p.add_argument("--skip-diffusers-compiled", action="store_true", help="keep those already in --out (or none)")
+    p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a server start may take")
+    p.add_argument("--cpu-smoke", action="store_true",
+                   help="the whole run on CPU with the tiny model (fp32, eager, no torch.compile): tests the script")
+    p.add_argument("--replot", type=Path, default=None, metavar="DIR",
+                   help="only rewrite DIR/results.md and the plots from DIR/results.json")
+    return p
+
+
+def int_list(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
+    if not values or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: give one or more non-negative integers")
+    return values
+
+
+@dataclasses.dataclass(frozen=True)
+class Setup:
+    """The resolved settings of one run."""
+
+    work: Path
+    device: str  # cpu | cuda
+    dtype: str  # fp16 | fp32
+    size: int
+    steps: int
+    throughput_steps: int
+    runs: int
+    concurrency: tuple[int, ...]
+    rounds: int | None
+    runtime: str | None
+    row_buckets: tuple[int, ...] | None
+    fused_kernels: bool
+    controlnets: int
+    loras: int
+    lora_mib: float
+    gpus: tuple[int, ...]
+    ready_timeout: float
+    smoke: bool
+
+    @property
+    def name(self) -> str:
+        return f"{self.controlnets}C/{self.loras}L"
+
+    @property
+    def torch_device(self) -> str:
+        return f"cuda:{self.gpus[0]}" if self.device == "cuda" else "cpu"
+
+    @property
+    def resolved_runtime(self) -> str:
+        from backends.core.runtime.config import default_kind
+
+        return (self.runtime or default_kind(self.device)) + ("+fused" if self.fused_kernels else "")
+
+    def easel_rounds(self, c: int) -> int:
+        return self.rounds or (2 if self.smoke else max(2, 8 // c))
+
+
+def resolve(args: argparse.Namespace) -> Setup:
+    smoke = args.cpu_smoke
+    if smoke and args.runtime not in (None, "eager"):
+        raise SystemExit(f"easel bench: --cpu-smoke runs the eager runtime, not {args.runtime}")
+    defaults = dict(size=64, steps=4, throughput_steps=4, runs=2, concurrency=(1, 2)) if smoke else dict(
+        size=1024, steps=50, throughput_steps=30, runs=5, concurrency=(1, 2, 4, 8))
+    pick = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
+    if min(pick["concurrency"]) < 1 or pick["runs"] < 1:
+        raise SystemExit("easel bench: --runs and every --concurrency level must be at least 1")
+    work = args.work or Path(tempfile.gettempdir()) / ("easel-bench-smoke" if smoke else "easel-bench")
+    return Setup(work=work, device="cpu" if smoke else "cuda", dtype="fp32" if smoke else "fp16",
+                 runtime="eager" if smoke else args.runtime, rounds=args.throughput_rounds,
+                 row_buckets=args.row_buckets, fused_kernels=args.fused_kernels, controlnets=args.controlnets,
+                 loras=args.loras,
+                 lora_mib=0.25 if smoke else args.lora_mib, gpus=tuple(args.gpus), ready_timeout=args.ready_timeout,
+                 smoke=smoke, **pick)
+
+
+def gpu_name(setup: Setup) -> str:
+    if setup.device != "cuda":
+        return "cpu"
+    import torch
+
+    return torch.cuda.get_device_name(setup.gpus[0])
+
+
+def gpu_slug(name: str, count: int = 1) -> str:
+    """'NVIDIA H200' -> 'h200'; two of them -> 'h200x2'."""
+    slug = re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-") or "gpu"
+    return f"{slug}x{count}" if count > 1 else slug
+
+
+def driver_version() -> str | None:
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                              capture_output=True, text=True, timeout=30, check=True)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    lines = done.stdout.strip().splitlines()
+    return lines[0].strip() if lines else None
+
+
+def versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {"python": sys.version.split()[0]}
+    for package in ("torch", "diffusers", "transformers", "triton", "tritonclient", "nvidia-pytriton", "numpy"):
+        try:
+            out[package] = importlib.metadata.version(package)
+        except importlib.metadata.PackageNotFoundError:
+            out[package] = None
+    try:
+        import torch
+
+        out["torch"], out["cuda"] = torch.__version__, torch.version.cuda
+    except ImportError:
+        pass
+    return out
+
+
+def now() -> str:
+    return datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds")
+
+
+def control_images(setup: Setup, count: int) -> list[bytes]:
+    from bench.controlnet_sdxl import control_png
+
+    return [control_png(setup.size, i) for i in range(count)]
+
+
+def free_gpu(setup: Setup) -> None:
+    gc.collect()
+    if setup.device == "cuda":
+        import torch
+
+        torch.cuda.empty_cache()
