@@ -82,3 +82,65 @@ def test_loras_are_indexed_by_file_name_and_pickles_refused(tmp_path, caplog):
                         ("../x", "is not a valid adapter name")):
         with pytest.raises(InvalidInput, match=match):
             store.lora(name)
+
+
+def _lora_store(tmp_path):
+    root = tmp_path / "store"
+    (root / "loras").mkdir(parents=True)
+    (root / "loras" / "mine.safetensors").write_bytes(b"inside")
+    (tmp_path / "outside.safetensors").write_bytes(b"outside")
+    return root, AdapterStore(root)
+
+
+def _refused(entry):
+    from backends.core.adapters.store import NotInStore
+
+    with pytest.raises(NotInStore) as err:
+        entry.file.read_bytes()
+    message = str(err.value)
+    assert message.startswith("loras: LoRA 'mine'") and "/" not in message  # its name, never a path
+    return message
+
+
+def test_a_file_swapped_for_a_symlink_after_the_scan_is_never_read(tmp_path):
+    root, store = _lora_store(tmp_path)
+    entry = store.lora("mine")
+    assert entry.file.read_bytes() == b"inside"
+    (root / "loras" / "mine.safetensors").unlink()
+    os.symlink(tmp_path / "outside.safetensors", root / "loras" / "mine.safetensors")
+    assert "no longer a file inside the adapter store" in _refused(entry)
+
+
+def test_a_folder_swapped_for_a_symlink_after_the_scan_is_never_read(tmp_path):
+    root, store = _lora_store(tmp_path)
+    os.rename(root / "loras", tmp_path / "moved")
+    (tmp_path / "elsewhere").mkdir()
+    (tmp_path / "elsewhere" / "mine.safetensors").write_bytes(b"outside")
+    os.symlink(tmp_path / "elsewhere", root / "loras")
+    _refused(store.lora("mine"))
+
+
+def test_a_store_replaced_after_the_scan_is_never_read(tmp_path):
+    root, store = _lora_store(tmp_path)
+    os.rename(root, tmp_path / "old-store")
+    (root / "loras").mkdir(parents=True)
+    (root / "loras" / "mine.safetensors").write_bytes(b"planted")
+    assert "folder was replaced" in _refused(store.lora("mine"))
+
+
+def test_a_fifo_or_folder_in_a_files_place_is_refused_without_blocking(tmp_path):
+    root, store = _lora_store(tmp_path)
+    (root / "loras" / "mine.safetensors").unlink()
+    os.mkfifo(root / "loras" / "mine.safetensors")  # opening it for reading would block without O_NONBLOCK
+    assert "not a regular file" in _refused(store.lora("mine"))
+
+
+def test_load_lora_reads_through_the_store_file(tmp_path):
+    from backends.core.adapters.lora import load_lora
+    from backends.core.adapters.store import NotInStore
+
+    root, store = _lora_store(tmp_path)
+    (root / "loras" / "mine.safetensors").unlink()
+    os.symlink("/etc/passwd", root / "loras" / "mine.safetensors")
+    with pytest.raises(NotInStore):
+        load_lora("mine", store.lora("mine").file)

@@ -11,6 +11,7 @@ if every resident one is held, the budget is exceeded rather than failing a requ
 
 from __future__ import annotations
 
+import json
 import logging
 import threading
 import time
@@ -18,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from backends.core.adapters.store import AdapterStore
+from backends.core.request.params import InvalidInput
 from backends.core.runtime.placement import Placement
 
 log = logging.getLogger(__name__)
@@ -128,10 +130,17 @@ class ControlNetCache:
         from safetensors.torch import load_file
 
         entry = self.store.controlnet(name)
+        # Both files read from descriptors opened without following symlinks (store.StoreFile),
+        # never by their paths: the store may have changed since it was scanned.
+        try:
+            config = json.loads(entry.config_file.read_bytes())
+        except ValueError:
+            raise InvalidInput("controlnets", f"ControlNet {name!r} has a config that is not JSON") from None
         with torch.device("meta"):
-            model = ControlNetModel.from_config(ControlNetModel.load_config(entry.folder))
+            model = ControlNetModel.from_config(config)
         device, dtype = torch.device(self.placement.device), self.placement.torch_dtype
-        state = load_file(str(entry.weights))  # memory-mapped
+        with entry.weights_file.path() as path:
+            state = load_file(path)  # memory-mapped (the mapping outlives the descriptor)
         if device.type == "cuda":
             state = {k: v.to(dtype).pin_memory().to(device, non_blocking=True) for k, v in state.items()}
             torch.cuda.synchronize(device)

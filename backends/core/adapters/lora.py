@@ -11,6 +11,7 @@ Text-encoder layers are applied by the text encoder (backends/core/stages/text_e
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import time
@@ -20,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from backends.core.request.params import InvalidInput
+from backends.core.request.params import InvalidInput, no_paths, shorten
 
 BOUNDS_FILE = "lora_bounds.json"  # per-LoRA bound K, written by `easel profile-lora` beside the UNet
 DELTA_BYTES = 256 << 20  # fp32 deltas a merge holds at once (a bigger layer still goes alone)
@@ -52,26 +53,36 @@ TEXT_ENCODER_PREFIXES = ("text_encoder.", "text_encoder_2.", "lora_te_", "lora_t
 _TEXT_RANK_MODULES = (".q_proj", ".k_proj", ".v_proj", ".out_proj", ".fc1", ".fc2")
 
 
-def load_lora(name: str, path: str | Path, text_encoders_only: bool = False) -> LoraWeights:
+def load_lora(name: str, path: "str | Path | StoreFile", text_encoders_only: bool = False) -> LoraWeights:
     """A LoRA file (safetensors; the store never indexes anything else) as per-module layers.
-    `text_encoders_only` reads just the text-encoder keys (a file without them gives no layers)."""
+    `path`: a StoreFile of the adapter store (what the server reads: opened without following
+    symlinks), or a plain path (tests, references). `text_encoders_only` reads just the
+    text-encoder keys (a file without them gives no layers)."""
     from diffusers import StableDiffusionXLPipeline
     from diffusers.utils import convert_unet_state_dict_to_peft
+    from safetensors import safe_open
 
+    from backends.core.adapters.store import StoreFile
+
+    opened = path.path() if isinstance(path, StoreFile) else contextlib.nullcontext(str(path))
     try:
-        if text_encoders_only:
-            from safetensors import safe_open
-
-            # Only the few MiB of text-encoder tensors come off the disk, not the UNet's hundreds.
-            with safe_open(str(path), framework="pt") as f:
-                source = {k: f.get_tensor(k) for k in f.keys() if k.startswith(TEXT_ENCODER_PREFIXES)}
-            if not source:
+        with opened as file:
+            # The tensors are read here, from the file opened above, and handed to diffusers as a
+            # dict (never a path it would resolve again). text_encoders_only: only the few MiB of
+            # text-encoder tensors come off the disk, not the UNet's hundreds.
+            with safe_open(file, framework="pt") as f:
+                keys = [k for k in f.keys() if not text_encoders_only or k.startswith(TEXT_ENCODER_PREFIXES)]
+                source = {k: f.get_tensor(k) for k in keys}
+        if not source:
+            if text_encoders_only:
                 return LoraWeights(name, {}, 0)
-        else:
-            source = str(path)
+            raise ValueError("the file holds no tensors")
         state, alphas = StableDiffusionXLPipeline.lora_state_dict(source)
-    except Exception as exc:  # truncated or foreign files: diffusers says what is wrong
-        raise InvalidInput("loras", f"{name!r} cannot be read as a LoRA ({exc.__class__.__name__}: {exc})") from None
+    except InvalidInput:
+        raise
+    except Exception as exc:  # truncated or foreign files: diffusers says what is wrong (paths cut out)
+        raise InvalidInput("loras", f"{name!r} cannot be read as a LoRA ({exc.__class__.__name__}: "
+                                    f"{shorten(no_paths(str(exc)))})") from None
     other = sorted({k.split(".", 1)[0] for k in state if k.split(".", 1)[0] not in ("unet", *TEXT_ENCODERS)})
     if other:
         raise InvalidInput("loras", f"{name!r} has layers for {other}, not an SDXL UNet or text encoder")

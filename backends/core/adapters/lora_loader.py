@@ -35,7 +35,8 @@ from typing import Callable
 import torch
 
 from backends.core.adapters.lora import LoraLayer, LoraWeights, load_lora
-from backends.core.request.params import InvalidInput
+from backends.core.adapters.store import StoreFile
+from backends.core.request.params import InvalidInput, UnknownAdapter, no_paths, shorten
 from backends.core.adapters.shm_tensors import Staging, read_tensors, write_tensors
 
 log = logging.getLogger(__name__)
@@ -74,7 +75,7 @@ def python_executable() -> str:
 @dataclass
 class _Task:
     name: str
-    path: str
+    path: "str | StoreFile"  # a StoreFile from the store (opened without following symlinks)
     future: Future = field(default_factory=Future)
 
 
@@ -147,7 +148,7 @@ class LoraLoaderPool:
         error. `on_loaded(stats)` runs before the future resolves, so whoever sees the result can
         also see the stats."""
         combined: Future = Future()
-        tasks = [_Task(name, str(path)) for name, path, _ in loras]
+        tasks = [_Task(name, path if isinstance(path, StoreFile) else str(path)) for name, path, _ in loras]
         scales = [scale for _, _, scale in loras]
         left = [len(tasks)]
         lock = threading.Lock()
@@ -294,8 +295,10 @@ class LoraLoaderPool:
         kind, *body = reply
         if kind == "invalid":
             raise InvalidInput(*body)
+        if kind == "not_found":
+            raise UnknownAdapter(*body)
         if kind == "error":
-            raise RuntimeError(f"loras: loading {task.name!r} failed ({body[0]})")
+            raise RuntimeError(f"loras: loading {task.name!r} failed ({shorten(no_paths(body[0]))})")
         return self._read_segment(slot, segment, body[0])
 
     def _read_segment(self, slot: int, segment: str, meta: dict) -> LoraWeights:
@@ -409,7 +412,8 @@ def _worker_main(conn, load) -> None:
                                        for component, layers in parts.items()}})
         except InvalidInput as exc:
             _unlink(segment)
-            reply = ("invalid", exc.field, str(exc)[len(exc.field) + 2:])
+            reply = ("not_found" if isinstance(exc, UnknownAdapter) else "invalid", exc.field,
+                     str(exc)[len(exc.field) + 2:])
         except Exception as exc:
             _unlink(segment)
             reply = ("error", f"{exc.__class__.__name__}: {exc}")

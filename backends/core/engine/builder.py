@@ -55,7 +55,7 @@ class Denoiser:
         try:
             if self.store is None:
                 raise InvalidInput("loras", "this deployment has no adapter store")
-            files = [(p.name, self.store.lora(p.name).path, p.scale) for p in params.loras]
+            files = [(p.name, self.store.lora(p.name).file, p.scale) for p in params.loras]
         except InvalidInput as exc:
             failed = Future()
             failed.set_exception(exc)

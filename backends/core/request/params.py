@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import secrets
 from dataclasses import dataclass, field
 from typing import Any, Mapping
@@ -20,12 +21,45 @@ MAX_SEED = 2**63 - 1
 SCHEDULER_NAMES = ("default", "euler", "euler_a", "dpmpp_2m_karras", "ddim")
 
 
+# At most this many characters of a client's value go back in an error message: a whole 9 kB
+# value no longer fits gRPC's metadata limit, and gRPC then drops the stream.
+ECHO_CHARS = 100
+
+
+def shorten(value: Any, limit: int = ECHO_CHARS) -> str:
+    """repr() of a client's value, cut to `limit` characters (with how long it was)."""
+    text = repr(value)
+    if len(text) <= limit:
+        return text
+    return f"{text[:limit]}... ({len(value) if hasattr(value, '__len__') else len(text)} long)"
+
+
+_PATH = re.compile(r"(?<![\w.])(?:/[\w.@+-]+){2,}/?")
+
+
+def no_paths(text: str) -> str:
+    """`text` with file paths cut out: messages that reach clients never show the server's files."""
+    return _PATH.sub("<path>", text)
+
+
 class InvalidInput(ValueError):
     """A request input that breaks a rule; the message names the field and the limit."""
 
     def __init__(self, field_name: str, message: str):
         super().__init__(f"{field_name}: {message}")
         self.field = field_name
+
+
+class UnknownAdapter(InvalidInput):
+    """A request names an adapter the store does not hold (NOT_FOUND / 404, not a bad value)."""
+
+
+class Overloaded(RuntimeError):
+    """The server is full: the request is refused at once (UNAVAILABLE), a retry later may pass."""
+
+
+class Cancelled(RuntimeError):
+    """The client cancelled or gave up (its deadline): the work stopped at a step boundary."""
 
 
 def strict_from_dict(cls, data: Mapping[str, Any], what: str):
@@ -172,11 +206,11 @@ def validate(raw: Mapping[str, Any], limits: Limits) -> GenerateParams:
 
     scheduler = _text(raw, "scheduler", limits, required=False) or limits.default_scheduler
     if scheduler not in SCHEDULER_NAMES:
-        raise InvalidInput("scheduler", f"unknown name {scheduler!r}; allowed: {', '.join(SCHEDULER_NAMES)}")
+        raise InvalidInput("scheduler", f"unknown name {shorten(scheduler)}; allowed: {', '.join(SCHEDULER_NAMES)}")
 
     output_format = _text(raw, "output_format", limits, required=False) or DEFAULT_FORMAT
     if output_format not in FORMATS:
-        raise InvalidInput("output_format", f"unknown format {output_format!r}; allowed: {', '.join(FORMATS)}")
+        raise InvalidInput("output_format", f"unknown format {shorten(output_format)}; allowed: {', '.join(FORMATS)}")
     quality = raw.get("quality")
     if quality is not None:
         quality = int(quality)

@@ -33,7 +33,7 @@ class TextEncoderLoras:
 
     def __init__(self, store: AdapterStore | None, capacity: int = 16):
         self.store, self.capacity = store, capacity
-        self._cache: dict[str, tuple[tuple[int, int] | None, LoraWeights]] = {}  # insertion order = recency
+        self._cache: dict[str, tuple[tuple[int, int, int], LoraWeights]] = {}  # insertion order = recency
         self.reads = 0
 
     def get(self, loras: Sequence[LoraParams]) -> LoraSet:
@@ -45,16 +45,12 @@ class TextEncoderLoras:
         entries = [self.store.lora(p.name) for p in loras]  # unknown names fail before any read
         out = []
         for p, entry in zip(loras, entries):
-            try:
-                stat = entry.path.stat()
-                stamp = (stat.st_mtime_ns, stat.st_size)
-            except OSError:
-                stamp = None  # not cached: load_lora says what is wrong
+            stamp = entry.file.stamp()  # also refuses a file that left the store since the scan
             cached = self._cache.pop(p.name, None)
             if cached is not None and cached[0] == stamp:
                 weights = cached[1]
             else:
-                weights = load_lora(p.name, entry.path, text_encoders_only=True)
+                weights = load_lora(p.name, entry.file, text_encoders_only=True)
                 self.reads += 1
             self._cache[p.name] = (stamp, weights)
             while len(self._cache) > self.capacity:
