@@ -8,6 +8,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import logging
+import os
 import re
 import sys
 import threading
@@ -61,6 +62,14 @@ def build_parser() -> argparse.ArgumentParser:
                    help="seconds to wait for readiness before giving up (default: %(default)s)")
     s.add_argument("--log-verbose", type=int, default=0, metavar="N",
                    help="tritonserver --log-verbose level (default: %(default)s)")
+    s.add_argument("--drain-timeout", type=float, default=30.0, metavar="S",
+                   help="on SIGTERM/SIGINT, seconds to let admitted requests finish "
+                        "(default: %(default)s)")
+    s.add_argument("--admin-key-file", type=Path, metavar="FILE",
+                   help="file holding the admin key that opens the restricted APIs (client "
+                        "shared memory, logging, tracing, model repository, statistics) to "
+                        "requests with header easel-admin-key; or set EASEL_ADMIN_KEY. "
+                        "Without either they stay closed")
 
     g = sub.add_parser(
         "generate", help="generate one image from a prompt",
@@ -167,10 +176,13 @@ def cmd_serve(args: argparse.Namespace) -> int:
         print("easel serve: --pid-file needs --detach", file=sys.stderr)
         return 2
     try:
+        admin_key = (args.admin_key_file.read_text().strip() if args.admin_key_file
+                     else os.environ.get("EASEL_ADMIN_KEY") or None)
         return serve(args.repo, args.http_port, args.grpc_port, args.metrics_port,
                      args.log_verbose, foreground=not args.detach,
-                     timeout=args.timeout, pid_file=args.pid_file)
-    except FileNotFoundError as e:
+                     timeout=args.timeout, pid_file=args.pid_file,
+                     drain_timeout=args.drain_timeout, admin_key=admin_key)
+    except (FileNotFoundError, ValueError) as e:
         print(f"easel serve: {e}", file=sys.stderr)
         return 1
 

@@ -8,9 +8,11 @@ assembles a private backend directory (see `assemble_backend_dir`).
 from __future__ import annotations
 
 import atexit
+import json
 import logging
 import os
 import re
+import secrets
 import shutil
 import signal
 import socket
@@ -25,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from clients import procs
 from clients.tools import add_to_path, package_dir, site_packages
 
 log = logging.getLogger(__name__)
@@ -41,6 +44,18 @@ PLATFORM_BACKENDS = {
     "tensorflow_savedmodel": "tensorflow",
 }
 LOG_TAIL_LINES = 40
+# The header that carries the admin key. gRPC metadata keys are lower case, and Triton expects
+# them prefixed: a gRPC client sends GRPC_ADMIN_HEADER.
+ADMIN_HEADER = "easel-admin-key"
+GRPC_ADMIN_HEADER = f"triton-grpc-protocol-{ADMIN_HEADER}"
+ADMIN_KEY_CHARS = re.compile(r"[A-Za-z0-9._~-]{16,}")
+# Closed to ordinary clients (Triton's restricted-API categories of 2.51). Client shared memory
+# let a client map a stub's /dev/shm region as its own tensor (reading other requests' data)
+# and abort the server; logging, tracing and the model repository (load/unload, in explicit
+# mode) are operators' tools. Open: health, metadata, model-config, inference and statistics:
+# perf_analyzer reads the statistics API and stops with an error without it, and the open
+# metrics port publishes the same counters anyway.
+RESTRICTED_APIS = ("shared-memory", "logging", "trace", "model-repository")
 
 
 class ServerStartError(RuntimeError):
@@ -243,7 +258,16 @@ class TritonServer:
     run_dir: Path | None = None  # holds backends/ and server.log
     extra_args: tuple[str, ...] = ()
     project: Path | None = None
+    # None: a random key that only this object knows, so the restricted APIs stay closed to
+    # everyone but us (we need the model-repository API to drain).
+    admin_key: str | None = field(default=None, repr=False)
+    restricted_apis: tuple[str, ...] = RESTRICTED_APIS
+    exit_timeout: int = 30  # tritonserver --exit-timeout-secs: its own wait for in-flight work
+    die_with_parent: bool | None = None  # None: unless detached (procs.child_preexec)
     proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
+    region_prefix: str | None = field(default=None, init=False, repr=False)
+    _stubs: dict[int, str] = field(default_factory=dict, init=False, repr=False)
+    _guard: procs.RegionGuard | None = field(default=None, init=False, repr=False)
     _own_run_dir: bool = field(default=False, init=False, repr=False)
     _final_log: str | None = field(default=None, init=False, repr=False)
     _echo_stop: threading.Event = field(default_factory=threading.Event, init=False,
@@ -267,7 +291,14 @@ class TritonServer:
         assert self.run_dir is not None, "server not started"
         return self.run_dir / "server.log"
 
+    @property
+    def admin_headers(self) -> dict[str, str]:
+        assert self.admin_key is not None, "server not started"
+        return {ADMIN_HEADER: self.admin_key}
+
     def argv(self, binary: Path, backend_dir: Path) -> list[str]:
+        assert self.admin_key is not None and self.region_prefix is not None
+        restricted = f"{','.join(self.restricted_apis)}:{ADMIN_HEADER}={self.admin_key}"
         return [
             str(binary),
             f"--model-repository={Path(self.repo).resolve()}",
@@ -278,15 +309,31 @@ class TritonServer:
             f"--log-verbose={self.log_verbose}",
             "--exit-on-error=true",
             "--strict-readiness=true",
+            # Explicit model control with every model loaded at start, as mode "none" would:
+            # draining unloads the public ensembles (see drain()), which only this mode allows.
+            "--model-control-mode=explicit",
+            "--load-model=*",
+            *([f"--http-restricted-api={restricted}",
+               f"--grpc-restricted-protocol={restricted}"] if self.restricted_apis else []),
+            f"--backend-config=python,shm-region-prefix-name={self.region_prefix}",
+            f"--exit-timeout-secs={self.exit_timeout}",
             *self.extra_args,
         ]
 
     def start(self) -> "TritonServer":
-        if self.proc is not None:
+        if self.proc is not None and self.proc.poll() is None:
             raise RuntimeError("server already started")
+        self.proc = None
         repo = Path(self.repo)
         if not repo.is_dir():
             raise FileNotFoundError(f"model repository {repo} does not exist")
+        procs.sweep_stale_regions()
+        if self.admin_key is None:
+            self.admin_key = secrets.token_urlsafe(32)
+        if not ADMIN_KEY_CHARS.fullmatch(self.admin_key):
+            # It goes inside tritonserver's "<apis>:<header>=<key>" option.
+            raise ValueError("the admin key must be 16 or more of A-Z a-z 0-9 . _ ~ -")
+        self.region_prefix = procs.region_prefix()
         for attr in ("http_port", "grpc_port", "metrics_port"):
             if getattr(self, attr) == 0:
                 setattr(self, attr, free_port())
@@ -298,7 +345,9 @@ class TritonServer:
         backend_dir = assemble_backend_dir(self.run_dir / "backends", triton, project,
                                            required_backends(repo))
         argv = self.argv(triton.binary, backend_dir)
-        log.info("starting %s (log: %s)", " ".join(argv), self.log_path)
+        shown = [re.sub(rf"{ADMIN_HEADER}=\S+", f"{ADMIN_HEADER}=***", a) for a in argv]
+        log.info("starting %s (log: %s)", " ".join(shown), self.log_path)
+        die_with_parent = (not self.detach) if self.die_with_parent is None else self.die_with_parent
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
@@ -306,7 +355,10 @@ class TritonServer:
                 # Own session: a terminal Ctrl-C reaches only us, and we forward
                 # it once; detached servers also outlive our exit.
                 start_new_session=True,
+                preexec_fn=procs.child_preexec(die_with_parent),
             )
+        self._guard = procs.RegionGuard(self.region_prefix)
+        self._guard.start()
         if not self.detach:
             atexit.register(self.stop)
         if self.echo:
@@ -347,9 +399,14 @@ class TritonServer:
             if code is not None:
                 raise self._start_error(f"tritonserver exited with code {code} "
                                         "before it became ready")
-            if self.is_ready():
-                log.info("tritonserver ready on http %s, grpc %s",
-                         self.url_http, self.url_grpc)
+            # Ready only if the answer comes from our process: another server on the port
+            # (an orphan, a second deployment) must not make us report ready.
+            if self.is_ready() and procs.listens_on(self.proc.pid, self.http_port):
+                self._stubs = procs.stub_instances(self.proc.pid)
+                if self._guard is not None:
+                    self._guard.tighten()  # a detached server keeps no guard after we exit
+                log.info("tritonserver ready on http %s, grpc %s (%d stubs)",
+                         self.url_http, self.url_grpc, len(self._stubs))
                 return
             if time.monotonic() > deadline:
                 raise self._start_error(f"tritonserver not ready after {timeout:.0f} s")
@@ -378,23 +435,26 @@ class TritonServer:
         assert self.proc is not None
         return self.proc.wait()
 
-    def stop(self, grace: float = 30.0, cleanup: bool = True) -> int | None:
-        """SIGTERM, then SIGKILL after `grace` s; returns the exit code.
+    def stop(self, grace: float = 30.0, cleanup: bool = True,
+             signum: int = signal.SIGTERM) -> int | None:
+        """`signum` (SIGTERM), then SIGKILL after `grace` s; returns the exit code.
 
         cleanup=False keeps the run dir (and so the full log) of a failed start.
         """
         atexit.unregister(self.stop)
         if self.proc is None:
             return None
+        family = procs.descendants(self.proc.pid)
         if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
+            self.proc.send_signal(signum)
             try:
                 self.proc.wait(grace)
             except subprocess.TimeoutExpired:
-                log.warning("tritonserver %d ignored SIGTERM for %.0f s; killing",
-                            self.proc.pid, grace)
+                log.warning("tritonserver %d ignored signal %d for %.0f s; killing",
+                            self.proc.pid, signum, grace)
                 self.proc.kill()
                 self.proc.wait()
+        self._reap(family)
         self._echo_stop.set()
         if self._echo_thread is not None:
             self._echo_thread.join(timeout=5)
@@ -403,6 +463,83 @@ class TritonServer:
             shutil.rmtree(self.run_dir, ignore_errors=True)
             self._own_run_dir = False
         return self.proc.returncode
+
+    def kill(self) -> int | None:
+        """SIGKILL the server and everything it started, then remove its regions."""
+        if self.proc is None:
+            return None
+        family = procs.descendants(self.proc.pid)
+        self.proc.kill()
+        self.proc.wait()
+        self._reap(family)
+        return self.proc.returncode
+
+    def _reap(self, family: list[int]) -> None:
+        if self._guard is not None:
+            self._guard.halt()
+        # Stubs exit on their own once the server is gone, but a killed server never unlinks
+        # its /dev/shm regions, and a stub stuck in C code may not notice for a while.
+        procs.kill_all(pid for pid in family if procs.pid_alive(pid))
+        if self.region_prefix:
+            removed = procs.remove_regions(self.region_prefix)
+            if removed:
+                log.info("removed %d shared-memory regions the server left", len(removed))
+
+    def dead_stubs(self) -> dict[int, str]:
+        """Stubs seen at readiness that are gone now (killed, crashed): pid -> instance."""
+        return {pid: name for pid, name in self._stubs.items() if not procs.pid_alive(pid)}
+
+    def admin_request(self, path: str, body: dict | None = None, timeout: float = 30.0) -> tuple[int, bytes]:
+        """An HTTP call of a restricted API with our admin key: (status, body)."""
+        data = None if body is None else json.dumps(body).encode()
+        request = urllib.request.Request(f"http://127.0.0.1:{self.http_port}{path}", data=data,
+                                         headers=self.admin_headers,
+                                         method="GET" if data is None else "POST")
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        try:
+            with opener.open(request, timeout=timeout) as r:
+                return r.status, r.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read()
+
+    def public_models(self) -> list[str]:
+        """The entry points clients call: the repository's ensembles."""
+        return sorted(cfg.parent.name for cfg in Path(self.repo).glob("*/config.pbtxt")
+                      if re.search(r'^\s*platform\s*:\s*"ensemble"', cfg.read_text(errors="replace"), re.M))
+
+    def drain(self, timeout: float) -> bool:
+        """Stop admitting requests, let every admitted one finish; True when none is left.
+
+        Triton's own shutdown cannot drain an ensemble: it stops every model at once, so the
+        later steps of a request in flight (new internal requests) are refused. Unloading only
+        the public ensembles does what we need: a new request to them is refused at once, the
+        server reports not ready (strict readiness counts an UNLOADING model), and Triton keeps
+        an ensemble in UNLOADING until its last request in flight has finished, while the
+        models its steps call stay loaded. tritonserver is stopped after this returns.
+        """
+        models = self.public_models()
+        for name in models:
+            status, body = self.admin_request(f"/v2/repository/models/{name}/unload", {})
+            if status != 200:
+                log.warning("drain: unloading %s failed (%d): %s", name, status, body[:200])
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline and self.proc is not None and self.proc.poll() is None:
+            states = self._model_states()
+            # No answer (a busy HTTP front end) is not an answer that the drain is done.
+            if states and not any(states.get(m) == "UNLOADING" for m in models):
+                return True
+            time.sleep(0.2)
+        log.warning("drain: requests still in flight after %.0f s", timeout)
+        return False
+
+    def _model_states(self) -> dict[str, str]:
+        try:
+            status, body = self.admin_request("/v2/repository/index", {}, timeout=5)
+        except (urllib.error.URLError, OSError):
+            return {}
+        if status != 200:
+            return {}
+        return {m["name"]: m.get("state", "") for m in json.loads(body)}
 
     def __enter__(self) -> "TritonServer":
         self.start()
@@ -417,52 +554,43 @@ class TritonServer:
         self.stop()
 
 
-def _exit_code(returncode: int) -> int:
-    return 128 - returncode if returncode < 0 else returncode
-
-
 def serve(repo: Path | str, http_port: int = 8000, grpc_port: int = 8001,
           metrics_port: int = 8002, log_verbose: int = 0, foreground: bool = True,
           timeout: float = 300.0, pid_file: Path | str | None = None,
-          out: TextIO | None = None) -> int:
+          out: TextIO | None = None, drain_timeout: float = 30.0,
+          admin_key: str | None = None) -> int:
     """Run tritonserver on `repo`; returns a process exit code.
 
-    foreground: stream the log, forward SIGINT/SIGTERM, return the server's
-    exit code. Otherwise return 0 once ready, leaving the server running.
+    foreground: supervise it (clients/supervise.py: restarts on a crash, drains on
+    SIGINT/SIGTERM) and return its exit code. Otherwise return 0 once ready, leaving the
+    server running unsupervised.
     """
-    out = out or sys.stdout
-    server = TritonServer(repo, http_port, grpc_port, metrics_port, log_verbose,
-                          ready_timeout=timeout, detach=not foreground, echo=foreground)
-    previous: dict[int, object] = {}
+    from clients.supervise import ServeOptions, Supervisor, busy_ports
+
+    options = ServeOptions(Path(repo), http_port, grpc_port, metrics_port, log_verbose,
+                           ready_timeout=timeout, drain_timeout=drain_timeout, admin_key=admin_key)
     if foreground:
-        def forward(signum: int, _frame) -> None:
-            if server.proc is not None and server.proc.poll() is None:
-                server.proc.send_signal(signum)
-        for sig in (signal.SIGINT, signal.SIGTERM):
-            previous[sig] = signal.signal(sig, forward)
+        return Supervisor(options).run()
+    out = out or sys.stdout
+    busy = busy_ports(options)
+    if busy:
+        print(f"easel serve: port {', '.join(map(str, busy))} already in use (another server?); "
+              "not starting", file=sys.stderr)
+        return 1
+    server = TritonServer(repo, http_port, grpc_port, metrics_port, log_verbose,
+                          ready_timeout=timeout, detach=True, admin_key=admin_key)
+    server.start()
     try:
-        server.start()
-        try:
-            server.wait_ready()
-        except ServerStartError as err:
-            server.stop(cleanup=False)
-            print(f"easel serve: {err}", file=sys.stderr)
-            return 1
-        if not foreground:
-            if pid_file:
-                Path(pid_file).write_text(f"{server.pid}\n")
-            print(f"EASEL_SERVER_PID={server.pid}", file=out)
-            print(f"EASEL_SERVER_LOG={server.log_path}", file=out)
-            print(f"EASEL_SERVER_HTTP={server.url_http}", file=out)
-            print(f"EASEL_SERVER_GRPC={server.url_grpc}", file=out)
-            out.flush()
-            return 0
-        print(f"easel serve: ready (http {server.url_http}, grpc {server.url_grpc}, "
-              f"metrics localhost:{server.metrics_port}); Ctrl-C to stop",
-              file=sys.stderr, flush=True)
-        code = server.wait()
-        server.stop()
-        return _exit_code(code)
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+        server.wait_ready()
+    except ServerStartError as err:
+        server.stop(cleanup=False)
+        print(f"easel serve: {err}", file=sys.stderr)
+        return 1
+    if pid_file:
+        Path(pid_file).write_text(f"{server.pid}\n")
+    print(f"EASEL_SERVER_PID={server.pid}", file=out)
+    print(f"EASEL_SERVER_LOG={server.log_path}", file=out)
+    print(f"EASEL_SERVER_HTTP={server.url_http}", file=out)
+    print(f"EASEL_SERVER_GRPC={server.url_grpc}", file=out)
+    out.flush()
+    return 0
