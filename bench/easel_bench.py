@@ -274,7 +274,11 @@ def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> No
                     result.save(image_path(images, setup.name, "easel", rec["runtime"]))
                 log.info("Easel seed %d: %.3fs (denoise %.3fs)", seed, rec["latency_s"][-1],
                          result.info.get("stages_s", {}).get("denoise_s", float("nan")))
-        stages = [i.get("stages_s") or {} for i in rec["infos"]]
+        # The server's own total (preprocess in to postprocess out) and the denoiser's queue beside the
+        # stages: the client's time less server_total_s is gRPC and the ensemble's entry and exit.
+        stages = [{**(i.get("stages_s") or {}),
+                   **{k: v for k, v in (("queue_s", i.get("queue_s")), ("server_total_s", i.get("total_s")))
+                      if v is not None}} for i in rec["infos"]]
         rec["stages_median_s"] = {k: float(np.median([s[k] for s in stages if k in s]))
                                   for k in sorted({k for s in stages for k in s})}
         rec["metrics"]["after_latency"] = metrics_snapshot(server.metrics_port)

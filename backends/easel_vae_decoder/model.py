@@ -24,7 +24,7 @@ from backends.triton_adapter import (  # noqa: E402
 class TritonPythonModel:
     def initialize(self, args):
         setup_logging()
-        flags = {k: parameters(args).get(k, "false") == "true" for k in ("graphs", "channels_last", "fused_kernels")}
+        flags = {k: parameters(args).get(k, "false") == "true" for k in ("graphs", "fused_kernels")}
         self.decoder = LatentDecoder(artifact_folder(args), placement(args), **flags)
 
     def execute(self, requests):

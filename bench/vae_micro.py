@@ -1,0 +1,107 @@
+"""The VAE decoder and the image encode, per variant, in process (no server): SDXL's VAE with
+random weights on one GPU, one 1024x1024 image (a [1, 4, 128, 128] latent).
+
+Variants are a dtype (fp32, SDXL's VAE as diffusers runs it, upcast; bf16, fp32's range at half
+the bytes; fp16 for reference only: SDXL's real VAE overflows in it) plus options: `graphs` (one
+CUDA graph), `fused` (plugins' GroupNorm+SiLU), `compiled` (torch.compile, default mode), `cl`
+(channels_last). Each reports the wall time of LatentDecoder.decode (latents in host memory to
+uint8 pixels in host memory, medians) and the PSNR of its pixels against fp32 eager's. Then the
+PNG encode of those pixels (ours, strips on threads) against PIL's at the same level.
+
+    python3 bench/vae_micro.py --work /tmp/easel-micro --out $OUT/vae_micro.json \
+        --variants fp32,fp32+graphs,fp32+graphs+fused,bf16+graphs+fused
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import logging
+import statistics
+import time
+
+import numpy as np
+
+from bench.common import bench_parser, random_sdxl, start_logging
+
+log = logging.getLogger("bench.vae_micro")
+DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
+OPTIONS = {"graphs": "graphs", "fused": "fused_kernels", "compiled": "compiled", "cl": "channels_last"}
+
+
+def wall_s(fn, iters: int, warmup: int = 2) -> list[float]:
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()  # ends in a host copy: synchronous
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def main() -> None:
+    p = bench_parser(__doc__, size=1024, steps=0)
+    p.add_argument("--variants", default="fp32,fp32+graphs,fp32+graphs+fused,fp32+compiled,"
+                                         "bf16+graphs,bf16+graphs+fused,bf16+compiled")
+    p.add_argument("--iters", type=int, default=10)
+    args = p.parse_args()
+    start_logging()
+
+    import torch
+    from PIL import Image
+
+    from backends.core.runtime.placement import Placement
+    from backends.core.stages.image_encoding import PNG_COMPRESS_LEVEL
+    from backends.core.stages.image_metrics import psnr
+    from backends.core.stages.png_encoding import encode_png
+    from backends.core.stages.vae_decoding import LatentDecoder
+
+    model = random_sdxl(args.work)
+    latent = args.size // 8
+    latents = torch.randn(1, 4, latent, latent, generator=torch.Generator().manual_seed(0)).numpy()
+    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "size": args.size, "variants": {}}
+    reference = None
+    for name in ["fp32"] + [v for v in args.variants.split(",") if v != "fp32"]:
+        dtype, *options = name.split("+")
+        unknown = [o for o in options if o not in OPTIONS]
+        if dtype not in DTYPES or unknown:
+            raise SystemExit(f"--variants: {name!r}: dtype one of {list(DTYPES)}, options of {list(OPTIONS)}")
+        start = time.perf_counter()
+        decoder = LatentDecoder(model, Placement("cuda:0", "fp16"), dtype=getattr(torch, DTYPES[dtype]),
+                                **{OPTIONS[o]: True for o in options})
+        with torch.inference_mode():
+            pixels = decoder.decode(latents)  # first call: capture / compile
+            first_s = time.perf_counter() - start
+            times = wall_s(lambda: decoder.decode(latents), args.iters)
+        if reference is None:
+            reference = pixels
+        entry = report["variants"][name] = {
+            "decode_s": statistics.median(times), "decode_s_min": min(times), "decode_s_max": max(times),
+            "load_and_first_s": first_s, "psnr_db_vs_fp32": psnr(reference, pixels),
+            "max_abs_diff": int(np.abs(reference.astype(np.int16) - pixels.astype(np.int16)).max())}
+        log.info("%s: decode %.1f ms (%.1f-%.1f), first %.1f s, PSNR vs fp32 %.1f dB, max diff %d", name,
+                 1000 * entry["decode_s"], 1000 * min(times), 1000 * max(times), first_s,
+                 entry["psnr_db_vs_fp32"], entry["max_abs_diff"])
+        del decoder
+        torch.cuda.empty_cache()
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))
+
+    def pil_png():
+        buf = io.BytesIO()
+        Image.fromarray(reference).save(buf, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
+        return buf.getvalue()
+
+    for name, fn in (("png_ours", lambda: encode_png(reference, PNG_COMPRESS_LEVEL)), ("png_pil", pil_png)):
+        times = wall_s(fn, args.iters)
+        report[name] = {"s": statistics.median(times), "s_min": min(times), "s_max": max(times),
+                        "bytes": len(fn())}
+        log.info("%s: %.1f ms (%.1f-%.1f), %d KiB", name, 1000 * report[name]["s"], 1000 * min(times),
+                 1000 * max(times), report[name]["bytes"] // 1024)
+    args.out.write_text(json.dumps(report, indent=2))
+    log.info("wrote %s", args.out)
+
+
+if __name__ == "__main__":
+    main()
