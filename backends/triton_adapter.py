@@ -15,7 +15,13 @@ import triton_python_backend_utils as pb_utils
 
 from backends.core.runtime.placement import Placement
 from backends.core.request.contract import ModelDecl
-from backends.core.request.params import GenerateParams, InvalidInput
+from backends.core.request.adapter_inputs import checked_params
+from backends.core.request.params import (Cancelled, GenerateParams, InvalidInput, Limits, Overloaded, UnknownAdapter,
+                                          no_paths)
+
+# Error messages sent to clients are cut to this many characters: gRPC carries them in a header,
+# and one over its metadata limit drops the whole stream (RESOURCE_EXHAUSTED) instead.
+MAX_MESSAGE_CHARS = 600
 
 
 class TritonLogHandler(logging.Handler):
@@ -92,8 +98,15 @@ def scalar(array: np.ndarray | None):
     return value if isinstance(value, bytes) else value.item()
 
 
-def read_params(request) -> GenerateParams:
-    return GenerateParams.from_json(scalar(pb_utils.get_input_tensor_by_name(request, "params").as_numpy()))
+def limits(args: dict[str, Any]) -> Limits:
+    """The deployment's limits (parameter `limits`, written by export into every model's config)."""
+    return Limits.from_json(parameters(args)["limits"])
+
+
+def read_params(request, limits: Limits) -> GenerateParams:
+    """The request's params, checked again against `limits` (the model may be called directly)."""
+    tensor = pb_utils.get_input_tensor_by_name(request, "params")
+    return checked_params(scalar(tensor.as_numpy()), limits)
 
 
 def params_tensor(params: GenerateParams):
@@ -102,8 +115,10 @@ def params_tensor(params: GenerateParams):
 
 # Triton 2.51 hands a decoupled model's error responses to its BLS caller with code INTERNAL
 # whatever code they were sent with (seen: the denoiser sent INVALID_ARG, generate got INTERNAL).
-# So our decoupled models also mark the client's mistakes in the message, and the caller restores
-# the code from the mark.
+# So our decoupled models also mark the code in the message, and the caller restores the code
+# from the mark (ForwardedError).
+MARKS = {"[invalid input] ": "INVALID_ARG", "[not found] ": "NOT_FOUND", "[unavailable] ": "UNAVAILABLE",
+         "[cancelled] ": "CANCELLED"}  # (pb_utils' codes exist only once the stub runs a model: by name)
 INVALID_MARK = "[invalid input] "
 
 
@@ -112,37 +127,86 @@ class ForwardedError(RuntimeError):
 
     def __init__(self, triton_error):
         message, code = triton_error.message(), triton_error.code()
-        if message.startswith(INVALID_MARK):
-            message, code = message[len(INVALID_MARK):], pb_utils.TritonError.INVALID_ARG
+        for mark, name in MARKS.items():
+            if message.startswith(mark):
+                message, code = message[len(mark):], code_of(name)
+                break
         super().__init__(message)
         self.code = code
 
 
+def code_of(name: str):
+    """A status code by name: INVALID_ARG, NOT_FOUND, UNAVAILABLE, CANCELLED, ..."""
+    return getattr(pb_utils.TritonError, name)
+
+
+def status_of(exc: BaseException):
+    """The status a failure goes back with; None for our own faults (INTERNAL / 500)."""
+    if isinstance(exc, ForwardedError):
+        return exc.code
+    if isinstance(exc, UnknownAdapter):  # before InvalidInput, which it is too
+        return pb_utils.TritonError.NOT_FOUND
+    if isinstance(exc, InvalidInput):
+        return pb_utils.TritonError.INVALID_ARG
+    if isinstance(exc, Overloaded):
+        return pb_utils.TritonError.UNAVAILABLE
+    if isinstance(exc, Cancelled):
+        return pb_utils.TritonError.CANCELLED
+    return None
+
+
+def mark(message: str, code) -> str:
+    """`message` with the mark of `code` (for decoupled models' errors, see MARKS)."""
+    return next((m for m, name in MARKS.items() if code_of(name) == code), "") + message
+
+
+def public_message(message: str) -> str:
+    """What a client may see of a message: no server paths, bounded in length."""
+    message = no_paths(message)
+    return message if len(message) <= MAX_MESSAGE_CHARS else message[:MAX_MESSAGE_CHARS] + "..."
+
+
 def error(message: str, invalid: bool = False, code=None):
     """A failed response. `invalid`: the client's mistake (gRPC INVALID_ARGUMENT, HTTP 400),
-    so that clients and proxies do not count it as a server fault or retry it."""
+    so that clients and proxies do not count it as a server fault or retry it. `code`: any
+    other status (None: INTERNAL)."""
     if invalid:
         code = pb_utils.TritonError.INVALID_ARG
+    message = public_message(message)
     if code is None:
         return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message))
     return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(message, code))
 
 
+def failure(exc: BaseException, what: str, log: logging.Logger, marked: bool = False):
+    """The response for a request that failed with `exc`. A refused request (the client's
+    mistake, an unknown adapter, overload, a cancel) logs one warning line; only our own faults
+    log a traceback. A failure another model answered with was logged there. `marked`: for
+    decoupled models, whose codes reach a BLS caller only through the message's mark."""
+    code = status_of(exc)
+    if code is None:
+        log.error("request failed", exc_info=exc)
+        message = f"{what}: {exc}"
+    else:
+        if not isinstance(exc, ForwardedError):
+            log.warning("request refused: %s", public_message(str(exc)))
+        message = str(exc)
+    if marked and code is not None:
+        message = mark(public_message(message), code)
+    return error(message, code=code)
+
+
 def each_request(requests, handle, what: str) -> list:
     """One response per request: `handle(request)` returns its output tensors; whatever it raises
-    fails that request alone (InvalidInput as is, since it already names the field, and as the
-    client's mistake)."""
+    fails that request alone, with the status of status_of (InvalidInput as is, since it already
+    names the field, and as the client's mistake)."""
+    log = logging.getLogger(f"backends.{what}")
     responses = []
     for request in requests:
         try:
             responses.append(pb_utils.InferenceResponse(handle(request)))
-        except InvalidInput as exc:
-            responses.append(error(str(exc), invalid=True))
-        except ForwardedError as exc:
-            responses.append(error(str(exc), code=exc.code))
         except Exception as exc:
-            logging.getLogger(f"backends.{what}").exception("request failed")
-            responses.append(error(f"{what}: {exc}"))
+            responses.append(failure(exc, what, log))
     return responses
 
 

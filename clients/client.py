@@ -172,7 +172,10 @@ class EaselClient:
 
         inputs = build_inputs(request, self.protocol)
         outputs = [self._mod.InferRequestedOutput(n) for n in ("image", "info")]
-        kwargs: dict[str, Any] = {}
+        # The deadline goes to the server too, as the request's timeout (microseconds): that is
+        # what stops the denoiser at its next step once the deadline passes (Triton 2.51 does not
+        # pass a client's cancel on to the models already running; backends/easel_generate says more).
+        kwargs: dict[str, Any] = {"timeout": int((timeout_s or self.timeout_s) * 1e6)}
         client = self._client
         if self.protocol == "grpc":
             kwargs["client_timeout"] = timeout_s or self.timeout_s

@@ -56,6 +56,9 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--generate-instances", type=int, default=8,
                      help="requests that can be in the denoisers at once")
     exp.add_argument("--max-batch-rows", type=int, default=16, help="UNet batch rows per denoising step")
+    exp.add_argument("--max-queue", type=int, default=48,
+                     help="requests a denoiser holds waiting beyond its running set; past it a request is "
+                          "refused at once with UNAVAILABLE")
     exp.add_argument("--adapters", default=None, help="adapter store: DIR/controlnets/<name>/ (diffusers ControlNets)")
     exp.add_argument("--max-controlnets", type=int, default=3, help="ControlNets a request may use")
     exp.add_argument("--max-loras", type=int, default=3, help="LoRAs a request may use")
@@ -110,7 +113,7 @@ def main(argv: list[str] | None = None) -> int:
         options = ExportOptions(device=args.device, dtype=args.dtype, gpus=args.gpus, max_size=args.max_size,
                                 max_steps=args.max_steps, default_steps=args.default_steps,
                                 generate_instances=args.generate_instances, max_batch_rows=args.max_batch_rows,
-                                max_running=args.max_batch_rows, onnx=args.onnx, adapters=args.adapters,
+                                max_running=args.max_batch_rows, max_queue=args.max_queue, onnx=args.onnx, adapters=args.adapters,
                                 max_controlnets=args.max_controlnets, max_loras=args.max_loras,
                                 lora_bound_steps=args.lora_bound_steps, lora_loaders=args.lora_loaders,
                                 controlnet_gpus=args.controlnet_gpus,

@@ -43,6 +43,7 @@ class ExportOptions:
     generate_instances: int = 8  # requests that can wait on denoisers at once
     postprocess_instances: int = 4  # image encoders (CPU)
     max_running: int = 16
+    max_queue: int = 48  # per denoiser, beyond max_running; past it requests are refused (UNAVAILABLE)
     max_batch_rows: int = 16
     adapters: str | None = None  # the adapter store: with it, the ControlNet service is exported
     max_controlnets: int = 3
@@ -142,6 +143,9 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
                     size_multiple=vae_scale_factor, default_steps=options.default_steps, max_steps=options.max_steps,
                     max_controlnets=options.max_controlnets, max_loras=options.max_loras)
     engine_params = {"dtype": dtype}
+    # Every model that reads a request's params checks them again against the limits: Triton
+    # cannot hide the internal models from clients (backends/core/request/adapter_inputs.py).
+    checks = {"limits": limits.to_json()}
     # The adapter store, relative to the repository so that it moves with it.
     store = os.path.relpath(Path(options.adapters).resolve(), repo.resolve()) if options.adapters else None
 
@@ -156,7 +160,7 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
         json.dumps({"force_zeros_for_empty_prompt": bool(pipe.config.force_zeros_for_empty_prompt)}))
     (model / "config.pbtxt").write_text(python_model(
         "text_encoder", "easel_text_encoder", contract.TEXT_ENCODER, options.instances(),
-        {**engine_params, "adapters": store} if store else engine_params))
+        {**engine_params, **checks, "adapters": store} if store else {**engine_params, **checks}))
 
     if store:  # the ControlNet service, placed on its own GPUs (or the denoisers')
         model = _fresh_model_dir(repo, "controlnet")
@@ -186,7 +190,7 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
         gpu = options.gpus[index] if options.device == "cuda" else None
         config = DenoiserConfig(
             limits=limits, runtime=options.runtime_config(vae_scale_factor, default_size), max_running=options.max_running,
-            max_batch_rows=options.max_batch_rows, lora_loaders=options.lora_loaders,
+            max_queue=options.max_queue, max_batch_rows=options.max_batch_rows, lora_loaders=options.lora_loaders,
             lora_bound_steps=options.lora_bound_steps,
             controlnet_model="controlnet" if options.adapters else None, controlnet_mode=options.controlnet_mode)
         params = {**engine_params, "denoiser": config.to_json()}
@@ -204,7 +208,7 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
         # On a fast runtime the VAE runs as a CUDA graph with plugins' GroupNorm+SiLU, whatever the
         # UNet's flags: on an H200 that took SDXL's fp32 decode at 1024 px from 116 to 68 ms, pixels
         # within 1 of eager's (bench/vae_micro.py); channels_last made it slower (164 ms).
-        {**engine_params, "graphs": _flag(options.resolved_runtime != "eager"),
+        {**engine_params, **checks, "graphs": _flag(options.resolved_runtime != "eager"),
          "fused_kernels": _flag(options.resolved_runtime != "eager")}))
 
     # CPU-only steps: validation, the BLS hand-off to the denoisers, PNG encoding.
@@ -215,12 +219,13 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
     model = _fresh_model_dir(repo, "generate")
     (model / "config.pbtxt").write_text(python_model(
         "generate", "easel_generate", contract.GENERATE, Instances("KIND_CPU", options.generate_instances),
-        {"denoisers": ",".join(names)}))
+        {"denoisers": ",".join(names), **checks}))
     # Image encoding is CPU-bound and single-threaded (PNG: 0.17-0.22 s at 1024 px on the H200
     # host): several instances, so that requests finishing together do not queue behind it.
     model = _fresh_model_dir(repo, "postprocess")
     (model / "config.pbtxt").write_text(python_model(
-        "postprocess", "easel_postprocess", contract.POSTPROCESS, Instances("KIND_CPU", options.postprocess_instances)))
+        "postprocess", "easel_postprocess", contract.POSTPROCESS, Instances("KIND_CPU", options.postprocess_instances),
+        checks))
 
     model = _fresh_model_dir(repo, "easel")
     (model / "config.pbtxt").write_text(ensemble("easel"))

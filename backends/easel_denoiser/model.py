@@ -21,6 +21,7 @@ sys.path[:] = [p for p in sys.path if p not in _own] + _own
 import logging  # noqa: E402
 import queue  # noqa: E402
 import threading  # noqa: E402
+import time  # noqa: E402
 import uuid  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -31,22 +32,39 @@ from backends.core.adapters.controlnet import ControlInput  # noqa: E402
 from backends.core.engine.builder import build_denoiser  # noqa: E402
 from backends.core.engine.config import DenoiserConfig  # noqa: E402
 from backends.core.engine.denoiser import DenoiseJob  # noqa: E402
-from backends.core.engine.loop import DenoiseResult  # noqa: E402
+from backends.core.engine.loop import DenoiseResult, failure_kind  # noqa: E402
 from backends.core.request.adapter_inputs import decode_control_image  # noqa: E402
 from backends.core.request.contract import WIRE_DTYPES, controlnet_decl  # noqa: E402
-from backends.core.request.params import InvalidInput  # noqa: E402
 from backends.core.runtime.unet_split import num_skips  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
-    INVALID_MARK, Metrics, adapter_store_folder, artifact_folder, error, parameters, params_tensor, placement,
+    Metrics, adapter_store_folder, artifact_folder, code_of, error, failure, mark, parameters, params_tensor, placement,
     read_params, setup_logging)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("backends.easel_denoiser")
+OUTCOMES = ("finished", "cancelled", "invalid", "not_found", "refused", "failed")
+# The status each failed outcome goes back with (marked: a BLS caller gets only INTERNAL in 2.51).
+CODES = {"cancelled": "CANCELLED", "invalid": "INVALID_ARG", "not_found": "NOT_FOUND", "refused": "UNAVAILABLE"}
 
 
-def _failure(message: str, invalid: bool):
-    """An error response; the client's mistakes carry INVALID_MARK too (see triton_adapter)."""
-    return error(INVALID_MARK + message if invalid else message, invalid=invalid)
+class RequestMetrics:
+    """What became of the denoiser's requests, by outcome, and the steps they ran: a cancelled
+    request shows here with the steps it ran before it stopped (sender and execute threads)."""
+
+    def __init__(self, args):
+        labels = {"model": args["model_name"]}
+        kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE}
+        self.requests_family = pb_utils.MetricFamily(
+            name="easel_requests_total", description="denoiser requests by outcome", kind=kinds["counter"])
+        self.requests = {o: self.requests_family.Metric(labels={**labels, "outcome": o}) for o in OUTCOMES}
+        self.other = Metrics(labels, {
+            "steps": ("easel_denoise_steps_total", "denoising steps run, summed over requests", "counter"),
+            "pending": ("easel_denoiser_pending", "requests admitted and not answered yet", "gauge"),
+        })
+
+    def record(self, outcome: str, steps: int = 0) -> None:
+        self.requests[outcome].increment(1)
+        self.other.increment("steps", steps)
 
 
 class LoraMetrics:
@@ -131,7 +149,9 @@ class TritonPythonModel:
         self.name = args["model_name"]
         config = DenoiserConfig.from_json(parameters(args)["denoiser"])
         self.limits = config.limits
-        self.pending: dict[str, tuple] = {}
+        self.max_pending = config.max_running + config.max_queue
+        self.pending: dict[str, tuple] = {}  # request id -> (sender, params)
+        self.request_metrics = RequestMetrics(args)
         self.outbox: queue.Queue[DenoiseResult | None] = queue.Queue()
         self.sender = threading.Thread(target=self._send_loop, name="easel-denoise-sender", daemon=True)
         self.sender.start()
@@ -155,17 +175,31 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            # Bounded admission: past the bound a request is refused at once instead of joining a
+            # queue whose wait only grows (each waiting request also holds its tensors).
+            if len(self.pending) >= self.max_pending:
+                self.request_metrics.record("refused")
+                log.warning("request refused: %d requests are pending, the bound is %d", len(self.pending),
+                            self.max_pending)
+                code = code_of(CODES["refused"])
+                sender.send(error(mark(f"denoiser: overloaded, {self.max_pending} requests are already admitted "
+                                       "(max_running + max_queue); retry later", code), code=code), flags=FINAL)
+                continue
             try:
-                params = read_params(request)
+                params = read_params(request, self.limits)
+                timeout_us = request.timeout()  # what is left of the client's deadline (easel_generate)
                 job = DenoiseJob(
                     request_id=uuid.uuid4().hex, params=params,
                     prompt_embeds=pb_utils.get_input_tensor_by_name(request, "prompt_embeds").as_numpy(),
                     pooled_embeds=pb_utils.get_input_tensor_by_name(request, "pooled_embeds").as_numpy(),
-                    is_cancelled=sender.is_cancelled, controls=self._controls(request, params))
+                    is_cancelled=sender.is_cancelled, controls=self._controls(request, params),
+                    deadline=time.monotonic() + timeout_us / 1e6 if timeout_us else None)
             except Exception as exc:
-                sender.send(_failure(f"denoiser: {exc}", isinstance(exc, InvalidInput)), flags=FINAL)
+                self.request_metrics.record(failure_kind(exc))
+                sender.send(failure(exc, "denoiser", log, marked=True), flags=FINAL)
                 continue
             self.pending[job.request_id] = (sender, params)
+            self.request_metrics.other.set("pending", len(self.pending))
             if params.loras:  # file I/O runs in the loader processes, never on Triton's thread or the loop
                 rid = job.request_id
                 job.loras_pending = self.denoiser.load_loras(
@@ -183,11 +217,19 @@ class TritonPythonModel:
     def _send_loop(self):
         while (result := self.outbox.get()) is not None:
             sender, params = self.pending.pop(result.request_id)
+            self.request_metrics.record(result.outcome, result.steps)
+            self.request_metrics.other.set("pending", len(self.pending))
             self.metrics.record(self.lora_loads.pop(result.request_id, None), result)
             self.control_metrics.update()
             self.runtime_metrics.update()
             if result.error is not None:
-                sender.send(_failure(f"denoiser: {result.error}", result.invalid), flags=FINAL)
+                code = code_of(CODES[result.outcome]) if result.outcome in CODES else None
+                if code is None:
+                    log.error("request failed: %s", result.error)  # the loop logged its traceback
+                else:
+                    log.warning("request %s: %s", result.outcome.replace("_", " "), result.error)
+                message = f"denoiser: {result.error}"
+                sender.send(error(mark(message, code) if code is not None else message, code=code), flags=FINAL)
                 continue
             params = params.with_trace(queue_s=result.queue_s, denoise_s=result.denoise_s,
                                        max_batch=result.max_batch, denoiser=self.name, lora_step=result.lora_step,

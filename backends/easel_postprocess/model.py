@@ -18,8 +18,9 @@ import time  # noqa: E402
 import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
+from backends.core.request.params import InvalidInput  # noqa: E402
 from backends.core.stages.image_encoding import DEFAULT_QUALITY, encode_image  # noqa: E402
-from backends.triton_adapter import each_request, read_params, setup_logging  # noqa: E402
+from backends.triton_adapter import each_request, limits, read_params, setup_logging  # noqa: E402
 
 
 def info_of(params) -> dict:
@@ -40,15 +41,18 @@ def info_of(params) -> dict:
 class TritonPythonModel:
     def initialize(self, args):
         setup_logging()
+        self.limits = limits(args)
 
     def execute(self, requests):
         return each_request(requests, self._encode, "postprocess")
 
     def _encode(self, request):
-        params = read_params(request)
+        params = read_params(request, self.limits)
+        pixels = pb_utils.get_input_tensor_by_name(request, "pixels").as_numpy()
+        if pixels.shape != (params.height, params.width, 3):  # the size was checked in params only
+            raise InvalidInput("pixels", f"has shape {pixels.shape}, expected {(params.height, params.width, 3)}")
         start = time.perf_counter()
-        image = encode_image(pb_utils.get_input_tensor_by_name(request, "pixels").as_numpy(),
-                             params.output_format, params.quality)
+        image = encode_image(pixels, params.output_format, params.quality)
         params = params.with_trace(postprocess_s=time.perf_counter() - start)
         info = json.dumps(info_of(params)).encode()
         return [pb_utils.Tensor("image", np.array([image], dtype=np.object_)),

@@ -19,12 +19,14 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 from backends.core.adapters.store import AdapterStore  # noqa: E402
 from backends.core.stages.text_encoding import PromptEncoder  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
+    limits,
     adapter_store_folder, artifact_folder, each_request, params_tensor, placement, read_params, setup_logging)
 
 
 class TritonPythonModel:
     def initialize(self, args):
         setup_logging()
+        self.limits = limits(args)
         store_folder = adapter_store_folder(args)  # LoRAs' text-encoder layers apply here
         self.encoder = PromptEncoder(artifact_folder(args), placement(args),
                                      AdapterStore(store_folder) if store_folder else None)
@@ -33,7 +35,7 @@ class TritonPythonModel:
         return each_request(requests, self._encode, "text_encoder")
 
     def _encode(self, request):
-        params = read_params(request)
+        params = read_params(request, self.limits)
         start = time.perf_counter()
         embeds, pooled = self.encoder.encode(params)
         params = params.with_trace(text_encoder_s=time.perf_counter() - start)

@@ -16,14 +16,17 @@ import time  # noqa: E402
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
+from backends.core.request.params import InvalidInput  # noqa: E402
 from backends.core.stages.vae_decoding import LatentDecoder  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
+    limits,
     artifact_folder, each_request, parameters, params_tensor, placement, read_params, setup_logging)
 
 
 class TritonPythonModel:
     def initialize(self, args):
         setup_logging()
+        self.limits = limits(args)
         flags = {k: parameters(args).get(k, "false") == "true" for k in ("graphs", "fused_kernels")}
         self.decoder = LatentDecoder(artifact_folder(args), placement(args), **flags)
 
@@ -31,8 +34,15 @@ class TritonPythonModel:
         return each_request(requests, self._decode, "vae_decoder")
 
     def _decode(self, request):
-        params = read_params(request)
+        params = read_params(request, self.limits)
+        latents = pb_utils.get_input_tensor_by_name(request, "latents").as_numpy()
+        # The size was checked in params; latents of another size would decode another image.
+        vae = self.decoder.vae.config
+        factor = 2 ** (len(vae.block_out_channels) - 1)
+        expected = (1, vae.latent_channels, params.height // factor, params.width // factor)
+        if latents.shape != expected:
+            raise InvalidInput("latents", f"has shape {latents.shape}, expected {expected} for these params")
         start = time.perf_counter()
-        pixels = self.decoder.decode(pb_utils.get_input_tensor_by_name(request, "latents").as_numpy())
+        pixels = self.decoder.decode(latents)
         params = params.with_trace(vae_decoder_s=time.perf_counter() - start)
         return [params_tensor(params), pb_utils.Tensor("pixels", pixels)]

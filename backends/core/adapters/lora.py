@@ -18,12 +18,16 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from backends.core.request.params import InvalidInput, no_paths, shorten
 
 BOUNDS_FILE = "lora_bounds.json"  # per-LoRA bound K, written by `easel profile-lora` beside the UNet
+if TYPE_CHECKING:
+    from backends.core.adapters.store import StoreFile
+
 DELTA_BYTES = 256 << 20  # fp32 deltas a merge holds at once (a bigger layer still goes alone)
 
 
@@ -53,7 +57,7 @@ TEXT_ENCODER_PREFIXES = ("text_encoder.", "text_encoder_2.", "lora_te_", "lora_t
 _TEXT_RANK_MODULES = (".q_proj", ".k_proj", ".v_proj", ".out_proj", ".fc1", ".fc2")
 
 
-def load_lora(name: str, path: "str | Path | StoreFile", text_encoders_only: bool = False) -> LoraWeights:
+def load_lora(name: str, path: str | Path | StoreFile, text_encoders_only: bool = False) -> LoraWeights:
     """A LoRA file (safetensors; the store never indexes anything else) as per-module layers.
     `path`: a StoreFile of the adapter store (what the server reads: opened without following
     symlinks), or a plain path (tests, references). `text_encoders_only` reads just the

@@ -26,6 +26,10 @@ class DenoiserConfig:
     limits: Limits = field(default_factory=Limits)
     runtime: RuntimeConfig = field(default_factory=RuntimeConfig)
     max_running: int = 16  # requests in the running set
+    # Requests that may wait beyond the running set; past max_running + max_queue a request is
+    # refused at once (UNAVAILABLE) instead of queueing without end: each holds its embeddings,
+    # control images and a waiting caller, and its wait would only grow.
+    max_queue: int = 48
     max_batch_rows: int = 16  # UNet rows per step
     lora_loaders: int = 2  # LoRA loader processes
     lora_bound_steps: int = 0  # steps a request may run before its LoRAs must be merged (0: exact)
@@ -40,6 +44,8 @@ class DenoiserConfig:
         for name in ("max_running", "max_batch_rows", "lora_loaders"):
             if getattr(self, name) < 1:
                 raise ValueError(f"denoiser.{name}: {getattr(self, name)} is not a positive number")
+        if self.max_queue < 0:
+            raise ValueError(f"denoiser.max_queue: {self.max_queue} is negative")
         if self.lora_bound_steps < 0:
             raise ValueError(f"denoiser.lora_bound_steps: {self.lora_bound_steps} is negative")
         if self.controlnet_mode not in CONTROLNET_MODES:

@@ -28,13 +28,15 @@ from backends.core.runtime.torch_eager import EagerUNetRuntime
 from backends.core.adapters.controlnet import (ControlCall, ControlInput, PreparedControl, ResidualProvider, prepare_control_image,
                          sum_residuals)
 from backends.core.adapters.lora import LoraMerger, LoraSet, lora_key
-from backends.core.request.params import GenerateParams
+from backends.core.request.params import GenerateParams, InvalidInput
 from backends.core.runtime.placement import Placement
 from backends.core.engine.diffusers_schedulers import make_scheduler
 from backends.core.engine.samplers import SamplerPlan, model_timesteps, scale_model_input, vectorizable
 from backends.core.engine.samplers import step as sampler_step
 
 VAE_SCALE_FACTOR_FILE = "vae_scale_factor.json"
+# Tokens of a prompt's embeddings: the text encoder pads every prompt to CLIP's model_max_length.
+TEXT_TOKENS = 77
 
 
 @dataclass
@@ -47,6 +49,7 @@ class DenoiseJob:
     pooled_embeds: np.ndarray  # [rows, pooled dim]
     is_cancelled: Callable[[], bool] = lambda: False
     arrival: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # time.monotonic() past which the client no longer waits for it
     controls: list[ControlInput] = field(default_factory=list)
     loras: LoraSet = ()
     # Bounded asynchrony: LoRAs still loading; the request runs without them up to step
@@ -118,8 +121,14 @@ class TorchDenoiser:
     def start(self, job: DenoiseJob) -> RequestState:
         p = job.params
         rows = 2 if p.cfg else 1
-        if job.prompt_embeds.shape[0] != rows or job.pooled_embeds.shape[0] != rows:
-            raise ValueError(f"expected {rows} rows of text embeddings, got {job.prompt_embeds.shape[0]}")
+        # Checked here, before the request joins a batch: embeddings of another shape would fail
+        # the whole batch's step, everyone's (the denoiser can be called directly, with anything).
+        cfg = self.unet.config
+        pooled_dim = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+        for name, array, shape in (("prompt_embeds", job.prompt_embeds, (rows, TEXT_TOKENS, cfg.cross_attention_dim)),
+                                   ("pooled_embeds", job.pooled_embeds, (rows, pooled_dim))):
+            if tuple(array.shape) != shape:
+                raise InvalidInput(name, f"has shape {tuple(array.shape)}, expected {shape} for these params")
         self.adopt_loras(job.loras)  # (LoRAs given up front; those still loading are adopted on arrival)
         sched = make_scheduler(p.scheduler, self.base_scheduler)
         sched.set_timesteps(p.steps, device=self.device)

@@ -6,8 +6,8 @@
 
 `submit` and `cancel` only enqueue, so Triton's `execute` never blocks. Finished requests are
 handed to `on_done`, which must not block either (the Triton adapter queues the response and a
-sender thread sends it), so sending never delays the next step. Cancellation is checked
-between steps.
+sender thread sends it), so sending never delays the next step. Cancellation and deadlines are
+checked between steps.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing import Callable
 import numpy as np
 
 from backends.core.engine.denoiser import DenoiseJob, RequestState, TorchDenoiser
-from backends.core.request.params import InvalidInput
+from backends.core.request.params import InvalidInput, UnknownAdapter
 from backends.core.engine.scheduler import SchedulerConfig, SeqState, Status, StepOutput, StepScheduler
 
 log = logging.getLogger(__name__)
@@ -41,7 +41,21 @@ class DenoiseResult:
     lora_step: int | None = None  # the step before which its LoRAs were merged
     lora_waited: bool = False  # it waited at its bound for them
     lora_wait_s: float = 0.0  # for how long
-    invalid: bool = False  # it failed on the client's input (a bad LoRA, say), not on the server
+    # Why it failed, when it did: "invalid" (the client's input, a bad LoRA say), "not_found" (an
+    # adapter the store does not hold, or no longer), "cancelled" (by the client, at a step
+    # boundary), "failed" (the server's fault, or a shutdown).
+    kind: str | None = None
+
+    @property
+    def outcome(self) -> str:
+        """finished, or the kind of failure (for the denoiser's request counters)."""
+        return "finished" if self.error is None else (self.kind or "failed")
+
+
+def failure_kind(exc: BaseException) -> str:
+    if isinstance(exc, UnknownAdapter):
+        return "not_found"
+    return "invalid" if isinstance(exc, InvalidInput) else "failed"
 
 
 class DenoiseLoop:
@@ -112,9 +126,9 @@ class DenoiseLoop:
                            shape=tuple(state.latents.shape[-2:]), rows=state.rows, arrival=job.arrival)
             self.scheduler.add(seq)
         except Exception as exc:
-            log.warning("request %s refused: %s", job.request_id, exc)
-            self.on_done(DenoiseResult(job.request_id, None, str(exc), 0.0, 0.0, 0,
-                                       invalid=isinstance(exc, InvalidInput)))
+            if failure_kind(exc) == "failed":  # our fault: its traceback (refusals: the adapter logs one line)
+                log.exception("request %s failed at admission", job.request_id)
+            self.on_done(DenoiseResult(job.request_id, None, str(exc), 0.0, 0.0, 0, kind=failure_kind(exc)))
             return
         self.states[job.request_id] = state
         if job.loras:
@@ -135,7 +149,7 @@ class DenoiseLoop:
             try:
                 state.job.loras = self.engine.adopt_loras(future.result())
             except Exception as exc:  # unreadable, or does not fit the UNet: this request only
-                self._abort(rid, Status.FAILED, str(exc), invalid=isinstance(exc, InvalidInput))
+                self._abort(rid, Status.FAILED, str(exc), kind=failure_kind(exc))
                 continue
             state.lora_step = state.index
             seq = self.scheduler.find(rid)
@@ -143,20 +157,27 @@ class DenoiseLoop:
                 seq.wait_from_step = None
 
     def _reap_cancelled(self) -> None:
+        """Requests whose client cancelled or whose deadline passed leave here, at a step
+        boundary, waiting or running: their work stops, not only their answer."""
+        now = time.monotonic()
         for rid, state in list(self.states.items()):
-            if state.job.is_cancelled():
-                self._abort(rid, Status.CANCELLED, "cancelled by the client")
+            job = state.job
+            if job.is_cancelled():
+                self._abort(rid, Status.CANCELLED, "cancelled by the client", kind="cancelled")
+            elif job.deadline is not None and now >= job.deadline:
+                self._abort(rid, Status.CANCELLED, f"its deadline passed ({job.deadline - job.arrival:.3g} s after "
+                                                   "it reached the denoiser)", kind="cancelled")
 
-    def _abort(self, rid: str, status: Status, why: str, invalid: bool = False) -> None:
+    def _abort(self, rid: str, status: Status, why: str, kind: str = "failed") -> None:
         seq = self.scheduler.abort(rid, status, why)
         if seq is not None:
-            self._finish(seq, invalid)
+            self._finish(seq, kind)
 
-    def _finish(self, seq: SeqState, invalid: bool = False) -> None:
+    def _finish(self, seq: SeqState, kind: str | None = None) -> None:
         state = self.states.pop(seq.request_id)
         now = time.monotonic()
         first = seq.first_step_at if seq.first_step_at is not None else now
         latents = self.engine.result(state) if seq.status is Status.FINISHED else None
         self.on_done(DenoiseResult(seq.request_id, latents, seq.error, first - seq.arrival, now - first,
                                    seq.steps_done, state.max_batch, state.lora_step, seq.waited_at_bound,
-                                   seq.bound_wait_s, invalid=invalid))
+                                   seq.bound_wait_s, kind=kind if seq.status is not Status.FINISHED else None))

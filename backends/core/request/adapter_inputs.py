@@ -13,7 +13,8 @@ import math
 from typing import Any, Mapping, Sequence
 
 from backends.core.adapters.store import check_name
-from backends.core.request.params import ControlParams, GenerateParams, InvalidInput, Limits, LoraParams, validate
+from backends.core.request.params import (ControlParams, GenerateParams, InvalidInput, Limits, LoraParams, shorten,
+                                          validate)
 
 MAX_SCALE = 10.0
 MAX_LORA_SCALE = 4.0  # diffusers takes any; past this a LoRA only breaks the image
@@ -97,3 +98,50 @@ def validate_loras(names: Sequence[bytes] | None, scales: Sequence[float] | None
         check_name(f"loras[{i}]", name)
     scales = _floats(scales, len(names), 1.0, "lora_scales", -MAX_LORA_SCALE, MAX_LORA_SCALE)
     return [LoraParams(n, s) for n, s in zip(names, scales)]
+
+
+# A params JSON bigger than this is refused before it is parsed: two prompts at their limit
+# plus the adapters' names and the stage timings fit many times over.
+MAX_PARAMS_BYTES = 1 << 18
+
+
+def checked_params(data: bytes | str, limits: Limits) -> GenerateParams:
+    """The params an internal model received, checked again against the deployment's limits.
+
+    Triton cannot hide the internal models (generate, denoiser, text_encoder, vae_decoder,
+    postprocess): a client may call any of them with params preprocess never saw. So every
+    model parses its params here, and they pass the same rules as a public request."""
+    if len(data) > MAX_PARAMS_BYTES:
+        raise InvalidInput("params", f"is {len(data)} bytes, over the limit of {MAX_PARAMS_BYTES}")
+    try:
+        params = GenerateParams.from_json(data)
+    except (ValueError, TypeError, AttributeError) as exc:  # bad JSON, unknown keys, wrong shapes
+        raise InvalidInput("params", f"is not valid ({shorten(str(exc))})") from None
+    if not isinstance(params.trace, dict):
+        raise InvalidInput("params.trace", "is not an object")
+    raw = {f: getattr(params, f) for f in ("prompt", "negative_prompt", "width", "height", "steps",
+                                           "guidance_scale", "seed", "scheduler", "output_format", "quality")}
+    for name in ("width", "height", "steps", "seed", "quality"):  # JSON floats or strings are not integers
+        if raw[name] is not None and (isinstance(raw[name], bool) or not isinstance(raw[name], int)):
+            raise InvalidInput(name, f"{shorten(raw[name])} is not an integer")
+    if raw["seed"] is None:
+        raise InvalidInput("seed", "is required")
+    try:
+        checked = validate(raw, limits)
+        controls = [dataclasses.replace(c, name=check_name(f"controlnets[{i}]", c.name)) for i, c in
+                    enumerate(params.controls)]
+        if len(controls) > limits.max_controlnets:
+            raise InvalidInput("controlnets", f"{len(controls)} given, over the limit of {limits.max_controlnets}")
+        n = len(controls)
+        _floats([c.scale for c in controls], n, 1.0, "control_scales", 0.0, MAX_SCALE)
+        starts = _floats([c.guidance_start for c in controls], n, 0.0, "control_guidance_start", 0.0, 1.0)
+        ends = _floats([c.guidance_end for c in controls], n, 1.0, "control_guidance_end", 0.0, 1.0)
+        for i, (s, e) in enumerate(zip(starts, ends)):
+            if s >= e:
+                raise InvalidInput(f"control_guidance_start[{i}]", f"{s:g} is not below control_guidance_end {e:g}")
+        validate_loras([lora.name for lora in params.loras], [lora.scale for lora in params.loras], limits.max_loras)
+    except (TypeError, ValueError) as exc:
+        if isinstance(exc, InvalidInput):
+            raise
+        raise InvalidInput("params", f"has a value of the wrong type ({shorten(str(exc))})") from None
+    return dataclasses.replace(params, **{f: getattr(checked, f) for f in raw})

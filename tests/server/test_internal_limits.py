@@ -1,0 +1,113 @@
+"""Every internal model re-checks the limits it relies on: Triton cannot hide them, so a client
+that calls generate, the denoiser, text_encoder, vae_decoder or postprocess directly with params
+preprocess would refuse is refused the same way (INVALID_ARGUMENT, naming the field and the limit)."""
+
+from __future__ import annotations
+
+import json
+import queue
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+# What preprocess would have made of a good request (tests/server/conftest.py: max 256 px, 50 steps).
+GOOD = dict(prompt="a cat", negative_prompt=None, width=64, height=64, steps=2, guidance_scale=5.0, seed=1,
+            scheduler="default", controls=[], loras=[], output_format="png", quality=None, trace={})
+
+BAD = [
+    (dict(steps=600), "steps: 600 is outside [1, 50]"),
+    (dict(width=60), "width: 60 is not a multiple of 8"),
+    (dict(height=4096), "height: 4096 is outside [64, 256]"),
+    (dict(seed=-5), "seed: -5 is outside [0, 9223372036854775807]"),
+    (dict(guidance_scale=1e9), "guidance_scale: 1000000000.0 is outside [0, 50.0]"),
+    (dict(loras=[{"name": "../../etc/passwd", "scale": 1.0}]), "is not a valid adapter name"),
+    (dict(loras=[{"name": f"l{i}", "scale": 1.0} for i in range(9)]), "loras: 9 given, over the limit of 3"),
+    (dict(output_format="gif"), "output_format: unknown format 'gif'"),
+    (dict(width="64"), "width: '64' is not an integer"),
+    (dict(unknown=1), "params: is not valid"),
+]
+
+
+def _tensor(name, array, dtype):
+    t = grpcclient.InferInput(name, list(array.shape), dtype)
+    t.set_data_from_numpy(array)
+    return t
+
+
+def _inputs(model: str, params: dict) -> list:
+    tensors = [_tensor("params", np.array([json.dumps(params).encode()], dtype=np.object_), "BYTES")]
+    embeds = [_tensor("prompt_embeds", np.zeros((2, 77, 64), np.float32), "FP32"),
+              _tensor("pooled_embeds", np.zeros((2, 32), np.float32), "FP32")]
+    images = _tensor("control_images", np.array([b""], dtype=np.object_), "BYTES")
+    return tensors + {
+        "text_encoder": [],
+        "generate": [*embeds, images],
+        "denoiser": [*embeds, images],
+        "vae_decoder": [_tensor("latents", np.zeros((1, 4, 8, 8), np.float32), "FP32")],
+        "postprocess": [_tensor("pixels", np.zeros((64, 64, 3), np.uint8), "UINT8")],
+    }[model]
+
+
+def call(url: str, model: str, params: dict) -> InferenceServerException:
+    """The error a direct call of `model` gets (the denoiser is decoupled: by a gRPC stream)."""
+    client = grpcclient.InferenceServerClient(url)
+    if model != "denoiser":
+        with pytest.raises(InferenceServerException) as err:
+            client.infer(model, _inputs(model, params))
+        return err.value
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put(error))
+    try:
+        client.async_stream_infer(model, _inputs(model, params))
+        error = answers.get(timeout=60)
+    finally:
+        client.stop_stream()
+    assert error is not None, "the denoiser accepted out-of-limit params"
+    return error
+
+
+@pytest.mark.parametrize("model", ["generate", "denoiser", "text_encoder", "vae_decoder", "postprocess"])
+@pytest.mark.parametrize("overrides, expected", BAD, ids=[str(i) for i in range(len(BAD))])
+def test_internal_models_refuse_params_out_of_limits(server, model, overrides, expected):
+    err = call(server.url_grpc, model, {**GOOD, **overrides})
+    assert expected in err.message(), err.message()
+    assert_invalid(model, err)
+
+
+def assert_invalid(model, err):
+    if model == "denoiser":  # a stream's error carries no status: the denoiser's mark says it (triton_adapter.MARKS)
+        assert err.message().startswith("[invalid input] "), err.message()
+    else:
+        assert err.status() == "StatusCode.INVALID_ARGUMENT", (err.status(), err.message())
+
+
+def test_denoiser_refuses_embeddings_of_another_shape(server):
+    """They would fail the whole batch's step, other requests' too, so they never join one."""
+    client = grpcclient.InferenceServerClient(server.url_grpc)
+    inputs = _inputs("denoiser", GOOD)
+    inputs[1] = _tensor("prompt_embeds", np.zeros((2, 77, 65), np.float32), "FP32")
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put(error))
+    try:
+        client.async_stream_infer("denoiser", inputs)
+        error = answers.get(timeout=60)
+    finally:
+        client.stop_stream()
+    assert error is not None and "prompt_embeds: has shape (2, 77, 65), expected (2, 77, 64)" in error.message()
+    assert_invalid("denoiser", error)
+
+
+@pytest.mark.parametrize("model, name, array, expected", [
+    ("vae_decoder", "latents", np.zeros((1, 4, 64, 64), np.float32), "latents: has shape (1, 4, 64, 64), expected (1, 4, 8, 8)"),
+    ("postprocess", "pixels", np.zeros((256, 256, 3), np.uint8), "pixels: has shape (256, 256, 3), expected (64, 64, 3)"),
+])
+def test_tensors_must_match_the_checked_params(server, model, name, array, expected):
+    """The size was checked in the params; a tensor of another size would bypass it."""
+    inputs = [t if t.name() != name else _tensor(name, array, "FP32" if array.dtype == np.float32 else "UINT8")
+              for t in _inputs(model, GOOD)]
+    with pytest.raises(InferenceServerException) as err:
+        grpcclient.InferenceServerClient(server.url_grpc).infer(model, inputs)
+    assert expected in err.value.message()
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
