@@ -175,9 +175,11 @@ class DenoiseLoop:
 
     def _finish(self, seq: SeqState, kind: str | None = None) -> None:
         state = self.states.pop(seq.request_id)
+        # After the result's copy, which waits for the GPU: the loop issues steps ahead of the
+        # device, so a clock read at the last step's issue would leave its tail out of denoise_s.
+        latents = self.engine.result(state) if seq.status is Status.FINISHED else None
         now = time.monotonic()
         first = seq.first_step_at if seq.first_step_at is not None else now
-        latents = self.engine.result(state) if seq.status is Status.FINISHED else None
         self.on_done(DenoiseResult(seq.request_id, latents, seq.error, first - seq.arrival, now - first,
                                    seq.steps_done, state.max_batch, state.lora_step, seq.waited_at_bound,
                                    seq.bound_wait_s, kind=kind if seq.status is not Status.FINISHED else None))
