@@ -48,7 +48,10 @@ class ServeOptions:
     drain_timeout: float = 30.0  # how long a stop waits for admitted requests
     admin_key: str | None = None  # None: a random key nobody is told (restricted APIs closed)
     poll_s: float = 0.5
-    exit_timeout: int = 5  # tritonserver's own wait after our drain (direct internal calls)
+    # tritonserver's own wait after our drain: direct calls of internal models, then every
+    # model's finalize (stubs exit cleanly and unlink their regions; 5 s was too short on a
+    # busy 2-core host).
+    exit_timeout: int = 15
 
     @property
     def ports(self) -> tuple[int, int, int]:
