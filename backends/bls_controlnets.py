@@ -21,6 +21,8 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 
 from backends.core.adapters.store import AdapterStore
 from backends.core.request.contract import ModelDecl
+from backends.core.request.params import InvalidInput, UnknownAdapter
+from backends.triton_adapter import ForwardedError
 from backends.core.adapters.controlnet import ControlCall, Residuals
 
 
@@ -88,8 +90,14 @@ class BlsControlNets:
             if device.type == "cuda" else {}
         response = pb_utils.InferenceRequest(model_name=self.model_name, inputs=inputs,
                                              requested_output_names=self.outputs, **where).exec()
-        if response.has_error():
-            raise RuntimeError(response.error().message())
+        if response.has_error():  # the service's InvalidInput/UnknownAdapter keep their kind (and status)
+            error = ForwardedError(response.error())
+            kind = {pb_utils.TritonError.NOT_FOUND: UnknownAdapter,
+                    pb_utils.TritonError.INVALID_ARG: InvalidInput}.get(error.code)
+            if kind is None:
+                raise RuntimeError(str(error))
+            field, _, message = str(error).partition(": ")
+            raise kind(field, message)
         out = {t.name(): to_torch(t).to(device) for t in response.output_tensors()}
         sync_current_stream(out["mid"])  # the copies are done before the response's buffers go back
         return [out[n] for n in self.outputs[:-1]], out["mid"]

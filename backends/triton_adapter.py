@@ -196,17 +196,17 @@ def failure(exc: BaseException, what: str, log: logging.Logger, marked: bool = F
     return error(message, code=code)
 
 
-def each_request(requests, handle, what: str) -> list:
+def each_request(requests, handle, what: str, marked: bool = False) -> list:
     """One response per request: `handle(request)` returns its output tensors; whatever it raises
     fails that request alone, with the status of status_of (InvalidInput as is, since it already
-    names the field, and as the client's mistake)."""
+    names the field, and as the client's mistake). `marked`: for models called by BLS (see MARKS)."""
     log = logging.getLogger(f"backends.{what}")
     responses = []
     for request in requests:
         try:
             responses.append(pb_utils.InferenceResponse(handle(request)))
         except Exception as exc:
-            responses.append(failure(exc, what, log))
+            responses.append(failure(exc, what, log, marked))
     return responses
 
 

@@ -77,7 +77,8 @@ class TritonPythonModel:
         self.compute_seconds = 0.0
 
     def execute(self, requests):
-        responses = each_request(requests, self._run, "controlnet")
+        # marked: the denoisers call this model by BLS, which loses the status code (MARKS)
+        responses = each_request(requests, self._run, "controlnet", marked=True)
         self.metrics.update(self.cache, self.compute_seconds)
         return responses
 

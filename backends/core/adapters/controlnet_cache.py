@@ -132,8 +132,9 @@ class ControlNetCache:
         entry = self.store.controlnet(name)
         # Both files read from descriptors opened without following symlinks (store.StoreFile),
         # never by their paths: the store may have changed since it was scanned.
+        data = entry.config_file.read_bytes()
         try:
-            config = json.loads(entry.config_file.read_bytes())
+            config = json.loads(data)
         except ValueError:
             raise InvalidInput("controlnets", f"ControlNet {name!r} has a config that is not JSON") from None
         with torch.device("meta"):

@@ -319,7 +319,8 @@ class TorchDenoiser:
                 self._adopt(t for down, m in results for t in (*down, m))  # made on a BLS thread's stream
                 summed = sum_residuals(results)
             except Exception as exc:  # this request's ControlNet failed: it alone leaves
-                failed[s.job.request_id] = f"controlnet: {exc}"
+                # (a client's mistake or an adapter not found stays that, for its status code)
+                failed[s.job.request_id] = exc if isinstance(exc, InvalidInput) else f"controlnet: {exc}"
                 summed = None
             if summed is None:
                 summed = [torch.zeros_like(k[rows]) for k in skips], torch.zeros_like(mid[rows])

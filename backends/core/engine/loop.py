@@ -97,13 +97,16 @@ class DenoiseLoop:
                 self._drain(block=True)
                 continue
             batch = [self.states[rid] for rid in plan.request_ids]
+            kinds: dict[str, str] = {}
             try:
-                output = StepOutput(failed=self.engine.step(batch))
+                failed = self.engine.step(batch)  # id -> why: a message, or the client's error itself
+                kinds = {rid: failure_kind(why) for rid, why in failed.items() if isinstance(why, BaseException)}
+                output = StepOutput(failed={rid: str(why) for rid, why in failed.items()})
             except Exception as exc:  # one bad step fails its batch, not the server
                 log.exception("denoising step failed for %s", plan.request_ids)
                 output = StepOutput(failed={rid: f"denoising step failed: {exc}" for rid in plan.request_ids})
             for seq in self.scheduler.update(plan, output):
-                self._finish(seq)
+                self._finish(seq, kinds.get(seq.request_id))
         for rid in list(self.states):
             self._abort(rid, Status.FAILED, "the denoiser is shutting down")
 

@@ -1,0 +1,59 @@
+"""Cancellation frees the work (issue 11, item 5): once a request's deadline passes, the denoiser
+drops it at its next step boundary. Shown by the denoiser's own counters (the steps it ran, the
+outcome), not only by the client's error."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import tritonclient.grpc as grpcclient
+from tritonclient.utils import InferenceServerException
+
+from clients.client import EaselClient, EaselError, GenerateRequest, build_inputs
+from tests.server.conftest import metric_values
+
+LONG = dict(seed=1, steps=50, width=256, height=256)  # several seconds of CPU denoising
+
+
+def counters(server) -> tuple[float, float]:
+    cancelled = sum(v for labels, v in metric_values(server, "easel_requests_total").items()
+                    if 'outcome="cancelled"' in labels)
+    return cancelled, sum(metric_values(server, "easel_denoise_steps_total").values())
+
+
+def wait_for_cancel(server, before: tuple[float, float], timeout: float = 30.0) -> float:
+    """The steps the cancelled request ran, once the denoiser counted it."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        cancelled, steps = counters(server)
+        if cancelled > before[0]:
+            return steps - before[1]
+        time.sleep(0.2)
+    pytest.fail("the denoiser never counted the request as cancelled")
+
+
+def test_client_deadline_stops_the_denoiser_at_a_step_boundary(server):
+    before = counters(server)
+    with EaselClient(server.url_grpc, protocol="grpc") as c:
+        with pytest.raises(EaselError) as err:
+            c.generate("a lighthouse", timeout_s=1.0, **LONG)
+        assert err.value.status in ("StatusCode.DEADLINE_EXCEEDED", "StatusCode.CANCELLED")
+        steps = wait_for_cancel(server, before)
+        assert 0 <= steps < LONG["steps"], steps
+        assert c.generate("a lighthouse", seed=1, steps=2, width=64, height=64).image().size == (64, 64)
+
+
+def test_a_listening_client_gets_cancelled(server):
+    """A client that sets only the request's timeout (the protocol's, in microseconds) and still
+    listens gets CANCELLED, and the message says why."""
+    before = counters(server)
+    client = grpcclient.InferenceServerClient(server.url_grpc)
+    inputs = build_inputs(GenerateRequest("a lighthouse", **LONG), "grpc")
+    start = time.monotonic()
+    with pytest.raises(InferenceServerException) as err:
+        client.infer("easel", inputs, timeout=1_000_000, client_timeout=120)
+    assert err.value.status() == "StatusCode.CANCELLED", err.value
+    assert "deadline passed" in err.value.message()
+    assert wait_for_cancel(server, before) < LONG["steps"]
+    assert time.monotonic() - start < 30
