@@ -93,6 +93,7 @@ def main() -> None:
                          torch.full((rows,), 500.0, device="cuda"), t.text.repeat(rows, 1, 1).normal_(generator=g),
                          t.pooled.repeat(rows, 1).normal_(generator=g), t.time_ids.repeat(rows, 1))
 
+    references = {}  # rows -> the first runtime's noise prediction
     for name in kinds:
         kind, *options = name.split("+")
         # Each variant on freshly loaded weights: channels_last and the fused kernels change the modules.
@@ -119,11 +120,18 @@ def main() -> None:
                 encode = gpu_ms(lambda: runtime.encode(b), args.iters)
                 decode = gpu_ms(lambda: runtime.decode(b, enc, None), args.iters)
                 wall = wall_ms_per_step(lambda: runtime.decode(b, runtime.encode(b), None), args.iters)
+                noise = runtime.decode(b, runtime.encode(b), None).float()
+            # How far this runtime's noise prediction lands from the first runtime's, same inputs.
+            reference = references.setdefault(rows, noise)
+            error = float((noise - reference).abs().max() / reference.abs().max())
             entry[str(rows)] = {"unet_ms": statistics.median(both), "encoder_ms": statistics.median(encode),
+                                "max_rel_error_vs_first": error,
                                 "decoder_ms": statistics.median(decode), "unet_wall_ms": wall,
                                 "unet_ms_all": both}
-            log.info("%s rows %d: unet %.1f ms (encoder %.1f, decoder %.1f), back-to-back wall %.1f ms", name, rows,
-                     *(entry[str(rows)][k] for k in ("unet_ms", "encoder_ms", "decoder_ms", "unet_wall_ms")))
+            log.info("%s rows %d: unet %.1f ms (encoder %.1f, decoder %.1f), back-to-back wall %.1f ms, "
+                     "max error vs %s %.2g", name, rows,
+                     *(entry[str(rows)][k] for k in ("unet_ms", "encoder_ms", "decoder_ms", "unet_wall_ms")),
+                     kinds[0], error)
 
         # A whole engine step (one request with guidance = 2 rows) against the halves alone.
         engine = TorchDenoiser(folder, where, runtime=runtime)
