@@ -185,6 +185,19 @@ def test_denoiser_config_is_typed_and_strict(tiny_model, tmp_path):
         DenoiserConfig.from_json(json.dumps({**data, "runtime": {"kind": "tensorrt"}}))
     with pytest.raises(ValueError, match="runtime: 'graphs' needs --device cuda"):
         ExportOptions(runtime="graphs")
+    assert config.max_queue == 48  # the default bound of waiting requests
+    with pytest.raises(ValueError, match="denoiser.max_queue: -1 is negative"):
+        DenoiserConfig.from_json(json.dumps({**data, "max_queue": -1}))
+
+
+def test_every_model_that_reads_params_gets_the_limits(tiny_model, tmp_path):
+    """Internal models re-check params against them (Triton cannot hide those models)."""
+    repo = export_repository(tiny_model, tmp_path / "repo", ExportOptions(max_queue=5))
+    parsed = configs(repo)
+    limits = params_of(parsed["preprocess"])["limits"]
+    for name in ("text_encoder", "generate", "vae_decoder", "postprocess"):
+        assert params_of(parsed[name])["limits"] == limits, name
+    assert DenoiserConfig.from_json(params_of(parsed["denoiser"])["denoiser"]).max_queue == 5
 
 
 def test_cuda_export_writes_one_denoiser_per_gpu(cuda_repo):

@@ -67,7 +67,7 @@ def test_cancelled_request_leaves_and_others_finish_unchanged(engines):
     cancelled = threading.Event()
     cancelled.set()  # the client is gone from the start: b must leave long before its 40 steps
     a, b = run(engine, [job(encoder, "a", steps=6), job(encoder, "b", steps=40, is_cancelled=cancelled.is_set)])
-    assert b.error == "cancelled by the client" and b.latents is None and b.steps < 40
+    assert b.error == "cancelled by the client" and b.latents is None and b.steps < 40 and b.outcome == "cancelled"
     assert a.error is None and np.abs(a.latents - alone.latents).max() <= BATCHED_TOL
 
 
@@ -77,8 +77,29 @@ def test_bad_job_is_refused_alone(engines):
     bad = job(encoder, "bad")
     bad.prompt_embeds = bad.prompt_embeds[:1]  # one row where CFG needs two
     good_out, bad_out = run(engine, [good, bad])
-    assert "expected 2 rows" in bad_out.error and bad_out.latents is None
-    assert good_out.error is None and good_out.steps == 4
+    assert "prompt_embeds: has shape (1, 77, 64), expected (2, 77, 64)" in bad_out.error and bad_out.latents is None
+    assert bad_out.outcome == "invalid"  # the caller's mistake (the denoiser can be called directly)
+    assert good_out.error is None and good_out.steps == 4 and good_out.outcome == "finished"
+
+
+def test_embeddings_of_another_width_never_join_a_batch(engines):
+    """They would fail the whole step, the good request's too."""
+    engine, encoder = engines
+    good, bad = job(encoder, "good"), job(encoder, "bad")
+    bad.prompt_embeds = np.zeros((2, 77, 65), np.float32)
+    good_out, bad_out = run(engine, [good, bad])
+    assert bad_out.outcome == "invalid" and "expected (2, 77, 64)" in bad_out.error
+    assert good_out.outcome == "finished"
+
+
+def test_a_passed_deadline_stops_the_request_at_a_step_boundary(engines):
+    engine, encoder = engines
+    import time
+
+    late = job(encoder, "late", steps=150, deadline=time.monotonic() + 0.3)
+    (out,) = run(engine, [late])
+    assert out.outcome == "cancelled" and out.latents is None and out.steps < 150
+    assert "its deadline passed" in out.error
 
 
 def test_requests_of_two_sizes_interleave_and_share_steps(engines):

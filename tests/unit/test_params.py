@@ -236,3 +236,59 @@ def test_params_json_without_the_new_fields_still_reads():
     del data["output_format"], data["quality"]
     back = GenerateParams.from_json(json.dumps(data))
     assert (back.output_format, back.quality) == ("png", None)
+
+
+# --- params an internal model receives (backends/core/request/adapter_inputs.checked_params) ---
+
+def _params_json(**overrides) -> bytes:
+    fields = dict(prompt="a red cat", negative_prompt=None, width=512, height=512, steps=20, guidance_scale=5.0,
+                  seed=3, scheduler="euler", controls=[], loras=[], output_format="png", quality=None,
+                  trace={"received_at": 1.0})
+    fields.update(overrides)
+    return json.dumps(fields).encode()
+
+
+def test_checked_params_pass_what_preprocess_made():
+    from backends.core.request.adapter_inputs import checked_params
+
+    p = validate(raw(seed=3, width=512, height=512, steps=20), LIMITS).with_trace(received_at=1.0)
+    assert checked_params(p.to_json(), LIMITS) == p
+
+
+@pytest.mark.parametrize("overrides, expected", [
+    (dict(steps=600), "steps: 600 is outside [1, 60]"),
+    (dict(width=60), "width: 60 is not a multiple of 8"),
+    (dict(seed=-5), "seed: -5 is outside [0, "),
+    (dict(seed=None), "seed: is required"),
+    (dict(steps=2.5), "steps: 2.5 is not an integer"),
+    (dict(width=True), "width: True is not an integer"),
+    (dict(prompt="x" * 41), "prompt: is 41 bytes, over the limit of 40"),
+    (dict(scheduler="s" * 30), "scheduler: unknown name"),
+    (dict(controls=[{"name": "canny", "scale": 99.0}]), "control_scales[0]: 99 is outside [0, 10]"),
+    (dict(controls=[{"name": "a/b"}]), "controlnets[0]: 'a/b' is not a valid adapter name"),
+    (dict(loras=[{"name": "x", "scale": 9.0}]), "lora_scales[0]: 9 is outside [-4, 4]"),
+    (dict(loras=[{"name": f"l{i}"} for i in range(4)]), "loras: 4 given, over the limit of 3"),
+    (dict(trace=[1]), "params.trace: is not an object"),
+    (dict(colour="red"), "params: is not valid"),
+])
+def test_checked_params_refuse_what_preprocess_would(overrides, expected):
+    from backends.core.request.adapter_inputs import checked_params
+
+    with pytest.raises(InvalidInput) as err:
+        checked_params(_params_json(**overrides), LIMITS)
+    assert expected in str(err.value), str(err.value)
+
+
+def test_checked_params_refuse_bad_json_and_huge_params_briefly():
+    from backends.core.request.adapter_inputs import MAX_PARAMS_BYTES, checked_params
+
+    with pytest.raises(InvalidInput, match="params: is not valid"):
+        checked_params(b"{not json", LIMITS)
+    with pytest.raises(InvalidInput, match=f"over the limit of {MAX_PARAMS_BYTES}"):
+        checked_params(b" " * (MAX_PARAMS_BYTES + 1), LIMITS)
+
+
+def test_echoed_values_are_cut_to_about_100_characters():
+    with pytest.raises(InvalidInput) as err:
+        validate(raw(scheduler="x" * 9000), dataclasses.replace(LIMITS, max_prompt_bytes=16384))
+    assert len(str(err.value)) < 250 and "(9000 long)" in str(err.value)
