@@ -6,12 +6,13 @@ VENV := .venv
 PY := $(VENV)/bin/python
 EASEL := $(VENV)/bin/easel
 STAMP := $(VENV)/.installed
+PERF := $(VENV)/.perf-launcher
 DEMO := demo/tiny
 REPO := model_repository
 
 .PHONY: setup system-deps serve demo test clean
 
-setup: $(STAMP)
+setup: $(STAMP) $(PERF)
 
 # perf_analyzer (tritonclient 2.50) links Debian's libb64; the Python backend stub links the
 # system libpython of the running Python version.
@@ -25,7 +26,13 @@ $(STAMP): requirements.txt pyproject.toml | system-deps
 	$(PY) -m pip install -q --no-deps -e .
 	touch $(STAMP)
 
-$(DEMO)/model_index.json: $(STAMP)
+# .venv/bin/perf_analyzer as a launcher that finds the libcudart it links (clients/tools.py), so
+# the load-testing command runs as written; re-run after pip reinstalls tritonclient.
+$(PERF): $(STAMP) clients/tools.py
+	$(PY) -m clients.tools perf-launcher
+	touch $(PERF)
+
+$(DEMO)/model_index.json: $(STAMP) $(PERF)
 	rm -rf $(DEMO) && $(EASEL) tiny $(DEMO)
 
 demo: $(DEMO)/model_index.json
@@ -34,7 +41,7 @@ demo: $(DEMO)/model_index.json
 serve: demo
 	$(EASEL) serve --repo $(REPO)
 
-test: $(STAMP)
+test: setup
 	$(PY) -m pytest -q
 
 clean:

@@ -68,3 +68,42 @@ def perf_env(base: dict[str, str] | None = None) -> dict[str, str]:
     libs = [sp / "nvidia" / "cuda_runtime" / "lib" for sp in site_packages()]
     add_to_path(env, "LD_LIBRARY_PATH", [p for p in libs if p.is_dir()], front=True)
     return env
+
+
+LAUNCHER_MARK = "# easel perf_analyzer launcher"
+
+
+def install_perf_launcher(prefix: Path | None = None) -> Path | None:
+    """Make `<venv>/bin/perf_analyzer` run as it is, with no LD_LIBRARY_PATH set by hand.
+
+    tritonclient 2.50 installs the binary there, but it links libcudart.so.12 from pip's
+    nvidia-cuda-runtime-cu12, which the loader does not search. The binary moves to
+    `<venv>/libexec/perf_analyzer` and a launcher that adds the library folder takes its place.
+    Idempotent, and safe to re-run after pip reinstalls tritonclient (`make setup` does).
+    Returns the launcher, or None when there is no perf_analyzer to wrap.
+    """
+    prefix = Path(sys.prefix if prefix is None else prefix)
+    launcher, real = prefix / "bin" / "perf_analyzer", prefix / "libexec" / "perf_analyzer"
+    if not launcher.is_file():
+        return None
+    if launcher.read_bytes()[:4] == b"\x7fELF":  # the binary itself: (re)installed by pip
+        real.parent.mkdir(parents=True, exist_ok=True)
+        os.replace(launcher, real)
+    if not real.is_file():
+        return None
+    libs = os.pathsep.join(str(d) for d in (sp / "nvidia" / "cuda_runtime" / "lib" for sp in site_packages())
+                           if d.is_dir())
+    launcher.write_text(
+        "#!/bin/sh\n"
+        f"{LAUNCHER_MARK} (clients/tools.py install_perf_launcher): the binary links\n"
+        "# libcudart.so.12 from pip's nvidia-cuda-runtime-cu12, which the loader does not search.\n"
+        f'LD_LIBRARY_PATH="{libs}${{LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}}" exec "{real}" "$@"\n')
+    launcher.chmod(0o755)
+    return launcher
+
+
+if __name__ == "__main__":
+    if sys.argv[1:] == ["perf-launcher"]:
+        print(install_perf_launcher() or "no perf_analyzer in this environment")
+    else:
+        sys.exit("usage: python -m clients.tools perf-launcher")

@@ -77,6 +77,9 @@ class EaselServe:
         except OSError:
             return False
 
+    def region_prefix(self) -> str:
+        return re.search(r"shm-region-prefix-name=(\S+)", " ".join(procs.cmdline(self.triton_pid())))[1]
+
     def triton_pid(self) -> int:
         pids = [p for p in procs.children(self.proc.pid)
                 if procs.cmdline(p) and procs.cmdline(p)[0].endswith("/tritonserver")]
@@ -151,6 +154,7 @@ def test_second_serve_on_busy_ports_fails_at_once(serving, repo):
 
 def test_dead_stub_fails_in_flight_then_recovers(serving):
     triton = serving.triton_pid()
+    prefix = serving.region_prefix()
     denoiser = [pid for pid, name in procs.stub_instances(triton).items() if name.startswith("denoiser")]
     assert denoiser, procs.stub_instances(triton)
     request = InFlight(serving.url_grpc, seed=1)
@@ -171,6 +175,7 @@ def test_dead_stub_fails_in_flight_then_recovers(serving):
     recovered_after = time.monotonic() - killed
     logged = serving.wait_for(r"recovered: tritonserver ready again ([\d.]+) s", 30, after=mark)
     assert serving.triton_pid() != triton
+    assert not list(procs.SHM_DIR.glob(f"{prefix}*"))  # the killed server's regions are gone
     with EaselClient(serving.url_grpc, protocol="grpc") as c:
         assert c.generate("after the crash", width=64, height=64, steps=2, seed=2).image
     print(f"\nin-flight request failed {failed_after:.1f} s after the kill; ready again after "
@@ -183,6 +188,7 @@ def test_sigterm_drains_admitted_requests(serving):
     assert all(r.is_alive() for r in requests), "requests finished before the signal: make them longer"
     triton = serving.triton_pid()
     family = [triton, *procs.descendants(triton)]
+    prefix = serving.region_prefix()
     signalled = time.monotonic()
     serving.proc.send_signal(signal.SIGTERM)
 
@@ -201,6 +207,7 @@ def test_sigterm_drains_admitted_requests(serving):
     stopped_after = time.monotonic() - signalled
     last = max(r.ended for r in requests) - signalled
     assert all(not procs.pid_alive(p) for p in family)
+    assert not list(procs.SHM_DIR.glob(f"{prefix}*"))
     print(f"\nlast admitted request finished {last:.1f} s after SIGTERM; easel serve exited after "
           f"{stopped_after:.1f} s")
 
@@ -212,7 +219,7 @@ def test_sigkill_of_serve_takes_the_server_and_stubs_along(repo):
         triton = s.triton_pid()
         family = [triton, *procs.descendants(triton)]
         assert len(family) > 5
-        prefix = re.search(r"shm-region-prefix-name=(\S+)", " ".join(procs.cmdline(triton)))[1]
+        prefix = s.region_prefix()
         assert list(procs.SHM_DIR.glob(f"{prefix}*"))
         s.proc.kill()
         s.proc.wait()

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import re
+import shlex
 import subprocess
 from pathlib import Path
 
@@ -27,3 +30,21 @@ def test_perf_analyzer_runs_against_easel(server, tmp_path):
     throughput = [float(r.split(",")[1]) for r in rows[1:]]
     assert all(t > 0 for t in throughput)
     assert json.loads(INPUT.read_text())["data"]
+
+
+def test_readme_command_runs_as_written(server):
+    """The load-testing command of clients/perf/README.md, from the checkout, with no library path
+    set by hand (issue 11, item 9): only the server's address and the measurement windows change."""
+    root = INPUT.parents[2]
+    text = (root / "clients" / "perf" / "README.md").read_text()
+    block = re.search(r"```sh\n(.*?)```", text, re.S)[1].replace("\\\n", " ")
+    argv = shlex.split(block)
+    assert argv[0] == ".venv/bin/perf_analyzer", argv
+    argv = [server.url_http if a == "localhost:8000" else a for a in argv]
+    i = argv.index("--measurement-interval")  # time windows are too short on a shared 2-core host
+    argv[i:i + 2] = ["--measurement-mode", "count_windows", "--measurement-request-count", "4"]
+    env = {k: v for k, v in os.environ.items() if k != "LD_LIBRARY_PATH"}
+    done = subprocess.run([*argv, "--stability-percentage", "900", "--max-trials", "10"], cwd=root, env=env,
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "Throughput" in done.stdout
