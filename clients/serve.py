@@ -444,7 +444,8 @@ class TritonServer:
         atexit.unregister(self.stop)
         if self.proc is None:
             return None
-        family = procs.descendants(self.proc.pid)
+        # Only while our child is alive (or an unreaped zombie) is its pid surely still its own.
+        family = procs.descendants(self.proc.pid) if self.proc.poll() is None else []
         if self.proc.poll() is None:
             self.proc.send_signal(signum)
             try:
@@ -466,9 +467,10 @@ class TritonServer:
 
     def kill(self) -> int | None:
         """SIGKILL the server and everything it started, then remove its regions."""
+        atexit.unregister(self.stop)
         if self.proc is None:
             return None
-        family = procs.descendants(self.proc.pid)
+        family = procs.descendants(self.proc.pid) if self.proc.poll() is None else []
         self.proc.kill()
         self.proc.wait()
         self._reap(family)
@@ -479,6 +481,10 @@ class TritonServer:
             self._guard.halt()
         # Stubs exit on their own once the server is gone, but a killed server never unlinks
         # its /dev/shm regions, and a stub stuck in C code may not notice for a while.
+        # A server that is already gone left no tree to walk: its stubs seen at readiness (if
+        # those pids are still stubs) stand in.
+        family = family or [pid for pid in self._stubs
+                            if procs.cmdline(pid)[:1] and procs.cmdline(pid)[0].endswith(procs.STUB_NAME)]
         procs.kill_all(pid for pid in family if procs.pid_alive(pid))
         if self.region_prefix:
             removed = procs.remove_regions(self.region_prefix)
