@@ -38,8 +38,11 @@ def _quote(value: str) -> str:
 
 
 def python_model(name: str, backend: str, decl: ModelDecl, instances: Instances,
-                 params: dict[str, str] | None = None, decoupled: bool = False) -> str:
-    """A model served by one of our Python-based backends (backends/<backend>/model.py)."""
+                 params: dict[str, str] | None = None, decoupled: bool = False, max_queue: int | None = None) -> str:
+    """A model served by one of our Python-based backends (backends/<backend>/model.py).
+    `max_queue`: requests that may wait for an instance; Triton refuses the next at once with
+    UNAVAILABLE (its dynamic batcher's queue policy: with max_batch_size 0 it batches nothing,
+    it only bounds the queue)."""
     parts = [
         f'name: "{name}"',
         f'backend: "{backend}"',
@@ -50,6 +53,8 @@ def python_model(name: str, backend: str, decl: ModelDecl, instances: Instances,
     ]
     if decoupled:
         parts.append("model_transaction_policy { decoupled: true }")
+    if max_queue is not None:
+        parts.append(f"dynamic_batching {{ default_queue_policy {{ max_queue_size: {max_queue} }} }}")
     return "\n".join(parts) + "\n" + _parameters(params or {})
 
 
