@@ -194,6 +194,7 @@ def markdown(results: dict) -> str:
                 continue
             psnr = "inf (identical)" if f.get("identical") else secs(f.get("psnr_db"), 2)
             lines.append(f"| {e['name']} | {label} | {psnr} | {secs(f.get('ssim'), 5)} | {f.get('max_abs_diff')} |")
+    lines += _session_runs(results)
     failures = [(e["name"], s, (e.get(s) or {}).get("error")) for e in configs for s in SYSTEMS
                 if (e.get(s) or {}).get("error")]
     if failures:
@@ -201,6 +202,25 @@ def markdown(results: dict) -> str:
     lines += ["", "Plots: `latency.png` (p50, whiskers to p95), `throughput.png`. Raw samples, per-request `info`, "
               "and the server's metrics: `results.json`.", ""]
     return "\n".join(lines)
+
+
+def _session_runs(results: dict) -> list[str]:
+    """Every phase a session ran, when several runs were pooled into one folder (`session_runs`:
+    run, system, machine, latency samples, throughput), so that the spread shows beside the table."""
+    runs = results.get("session_runs") or []
+    if not runs:
+        return []
+    levels = sorted({int(c) for r in runs for c in r.get("throughput_img_s", {})})
+    lines = ["", "## Runs of this session", "", results.get("session_note", ""), "",
+             "| run | system | machine | p50 s (min-max) | " + " | ".join(f"c={c} img/s" for c in levels) + " |",
+             "| --- | --- | --- | --- |" + " --- |" * len(levels)]
+    for r in runs:
+        samples = r.get("latency_s") or []
+        spread = f"{secs(percentile(samples, 50))} ({secs(min(samples))}-{secs(max(samples))})" if samples else "n/a"
+        thr = r.get("throughput_img_s") or {}
+        lines.append(f"| {r['run']} | {LABELS.get(r['system'], r['system'])} | {r.get('machine', 'n/a')} | {spread} | "
+                     + " | ".join(secs(thr.get(str(c))) for c in levels) + " |")
+    return lines
 
 
 def plot(results_json_path: str | Path) -> list[Path]:
