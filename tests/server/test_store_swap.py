@@ -29,17 +29,32 @@ def swapped(path: Path, target: Path):
         os.rename(saved, path)
 
 
+@contextlib.contextmanager
+def moved(path: Path, to: Path):
+    """`path` renamed out of the store for the block, then put back."""
+    os.rename(path, to)
+    try:
+        yield
+    finally:
+        os.rename(to, path)
+
+
 def store(shared) -> Path:
     return Path(shared.repo).parent / "adapters"
 
 
-@pytest.mark.parametrize("target", ["outside_lora", "/etc/passwd"])
+@pytest.mark.parametrize("target", ["outside_lora", "/etc/passwd", "moved"])
 def test_lora_swapped_for_a_symlink_after_start_is_never_read(shared, target):
     """`truncated` becomes a link to a good LoRA outside the store (followed, the request would
-    succeed with it) or to /etc/passwd (followed, it would be read and refused as not a LoRA)."""
+    succeed with it) or to /etc/passwd (followed, it would be read and refused as not a LoRA), or
+    is renamed out of the store (the old error named the file's full path)."""
     outside = Path(shared.repo).parent / "outside" / "papercut.safetensors"
-    link_to = outside if target == "outside_lora" else Path(target)
-    with EaselClient(shared.url_http) as c, swapped(store(shared) / "loras" / "truncated.safetensors", link_to):
+    path = store(shared) / "loras" / "truncated.safetensors"
+    if target == "moved":
+        change = moved(path, Path(shared.repo).parent / "outside" / "moved.safetensors")
+    else:
+        change = swapped(path, outside if target == "outside_lora" else Path(target))
+    with EaselClient(shared.url_http) as c, change:
         with pytest.raises(EaselError) as err:
             c.generate("a fox", **SMALL, loras=("truncated",))
         message = str(err.value)
