@@ -36,7 +36,7 @@ def repo(tiny_model, tmp_path_factory):
 class EaselServe:
     """One `easel serve` process in the foreground, its stderr collected as it comes."""
 
-    def __init__(self, repo: Path, ports: tuple[int, int, int] | None = None, drain_timeout: float = 60.0):
+    def __init__(self, repo: Path, ports: tuple[int, int, int] | None = None, drain_timeout: float = 240.0):
         self.ports = ports or (free_port(), free_port(), free_port())
         http, grpc, metrics = self.ports
         argv = [sys.executable, "-m", "clients.cli", "serve", "--repo", str(repo), "--http-port", str(http),
@@ -183,7 +183,7 @@ def test_dead_stub_fails_in_flight_then_recovers(serving):
 
 
 def test_sigterm_drains_admitted_requests(serving):
-    requests = [InFlight(serving.url_grpc, seed=10 + i, size=128, steps=50) for i in range(4)]
+    requests = [InFlight(serving.url_grpc, seed=10 + i, size=192, steps=50) for i in range(4)]
     time.sleep(2.0)
     assert all(r.is_alive() for r in requests), "requests finished before the signal: make them longer"
     triton = serving.triton_pid()
@@ -201,7 +201,7 @@ def test_sigterm_drains_admitted_requests(serving):
     assert refused.value.status in ("StatusCode.UNAVAILABLE", "StatusCode.NOT_FOUND"), refused.value
 
     for r in requests:
-        r.join(120)
+        r.join(240)  # a shared 2-core host: 4 of these took from 0.4 to 45 s after the signal
     assert [r.ok for r in requests] == [True] * 4, [str(r.error) for r in requests]
     assert serving.proc.wait(60) == 0, serving.text[-3000:]
     stopped_after = time.monotonic() - signalled
