@@ -97,6 +97,23 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--lora", action="append", type=parse_lora, default=[], metavar="NAME[:SCALE]",
                    help="a LoRA from the adapter store (repeatable)")
 
+    o = sub.add_parser(
+        "openai", help="serve the OpenAI images API in front of a Triton server",
+        description="Serve POST /v1/images/generations and GET /v1/models (OpenAI images API, "
+                    "response_format b64_json; Easel's steps, seed, guidance_scale, "
+                    "negative_prompt, scheduler, output_format, controlnets and loras as extra "
+                    "body fields), forwarding each image to the `easel` model over gRPC.")
+    o.add_argument("--triton", default="localhost:8001", metavar="HOST:PORT",
+                   help="Triton's gRPC address (default: %(default)s)")
+    o.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
+    o.add_argument("--port", type=int, default=8080, help="default: %(default)s")
+    o.add_argument("--model", default="easel", help="Triton model, and the API's model id "
+                                                    "(default: %(default)s)")
+    o.add_argument("--max-n", type=int, default=4, metavar="N",
+                   help="most images per request (default: %(default)s)")
+    o.add_argument("--timeout", type=float, metavar="S",
+                   help="each image's deadline in seconds (default: the client's, 3600)")
+
     for name, text in EXPORT_COMMANDS.items():
         # Parsed by export.cli; registered here only so `easel --help` lists them.
         sub.add_parser(name, help=text, add_help=False)
@@ -185,6 +202,17 @@ def cmd_serve(args: argparse.Namespace) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"easel serve: {e}", file=sys.stderr)
         return 1
+
+
+def cmd_openai(args: argparse.Namespace) -> int:
+    from clients.openai_api import run
+
+    if args.max_n < 1:
+        print("easel openai: --max-n must be at least 1", file=sys.stderr)
+        return 2
+    run(args.triton, host=args.host, port=args.port, model=args.model, max_n=args.max_n,
+        timeout_s=args.timeout)
+    return 0
 
 
 def parse_controlnet(text: str) -> tuple[str, Path, float]:
@@ -289,6 +317,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         return cmd_serve(args)
     if args.command == "generate":
         return cmd_generate(args)
+    if args.command == "openai":
+        return cmd_openai(args)
     raise AssertionError(args.command)
 
 

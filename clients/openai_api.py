@@ -1,0 +1,343 @@
+"""The OpenAI images API in front of the `easel` ensemble: `easel openai --triton HOST:PORT`.
+
+Serves `POST /v1/images/generations` (the OpenAI request body, plus Easel's own parameters as
+extra fields) and `GET /v1/models`, and forwards each image to Triton over gRPC with
+`clients.client.EaselClient`. The gRPC calls block, so they run in a thread pool: the event
+loop never waits on Triton, and the `n` images of a request run at once (the denoiser batches
+them). Errors come back as OpenAI error JSON, `{"error": {"message", "type", "param", "code"}}`,
+with the HTTP status of what happened (see `STATUS_MAP`).
+"""
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import logging
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import asynccontextmanager
+from typing import Any, Literal
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from clients.client import EaselClient, EaselError
+
+log = logging.getLogger(__name__)
+
+MODEL = "easel"
+DEFAULT_MAX_N = 4  # images per request
+SEED_MAX = 2**63 - 1  # the `easel` model's limit
+OUTPUT_FORMATS = ("png", "jpeg", "webp")
+
+# Triton status (gRPC code name, or the HTTP status of tritonclient.http) -> (HTTP status,
+# OpenAI error type, code). Anything not listed is a fault of the server: 500.
+STATUS_MAP: dict[str, tuple[int, str, str]] = {
+    "INVALID_ARGUMENT": (400, "invalid_request_error", "invalid_value"),
+    "NOT_FOUND": (404, "invalid_request_error", "not_found"),
+    "UNAVAILABLE": (503, "server_error", "unavailable"),
+    "RESOURCE_EXHAUSTED": (429, "rate_limit_error", "resource_exhausted"),
+    "DEADLINE_EXCEEDED": (504, "server_error", "timeout"),
+}
+INTERNAL = (500, "server_error", "internal_error")
+HTTP_STATUS_NAMES = {"400": "INVALID_ARGUMENT", "404": "NOT_FOUND", "503": "UNAVAILABLE",
+                     "429": "RESOURCE_EXHAUSTED", "504": "DEADLINE_EXCEEDED"}
+
+# The `easel` input a Triton message names ("width: 100 is not a multiple of 8") -> the field of
+# the request body it came from.
+TRITON_FIELDS = {
+    "prompt": "prompt", "negative_prompt": "negative_prompt", "width": "size", "height": "size",
+    "steps": "steps", "guidance_scale": "guidance_scale", "seed": "seed",
+    "scheduler": "scheduler", "controlnets": "controlnets", "control_images": "controlnets",
+    "control_scales": "controlnets", "control_guidance_start": "controlnets",
+    "control_guidance_end": "controlnets", "loras": "loras", "lora_scales": "loras",
+    "output_format": "output_format", "quality": "output_format",
+}
+_FIELD_RE = re.compile(r"(?:^|[\s,'\"(])(" + "|".join(sorted(TRITON_FIELDS, key=len, reverse=True))
+                       + r")(?:\[\d+\])?: ")
+# Absolute filesystem paths (two components or more): never sent to a client.
+_PATH_RE = re.compile(r"(?<![\w:/.])/(?:[\w.@+-]+/)+[\w.@+-]*")
+_UNREACHABLE = ("failed to connect", "connection refused", "cannot reach triton",
+                "socket closed", "dns resolution failed", "name resolution")
+_SIZE_RE = re.compile(r"\s*(\d{1,6})\s*[xX]\s*(\d{1,6})\s*")
+
+
+class ApiError(Exception):
+    """An error that goes back to the client as OpenAI error JSON."""
+
+    def __init__(self, status: int, message: str, type_: str = "invalid_request_error",
+                 param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.type, self.param, self.code = status, message, type_, param, code
+
+    def response(self) -> JSONResponse:
+        return error_response(self.status, self.message, self.type, self.param, self.code)
+
+
+def error_response(status: int, message: str, type_: str, param: str | None = None,
+                   code: str | None = None) -> JSONResponse:
+    return JSONResponse({"error": {"message": message, "type": type_, "param": param, "code": code}},
+                        status_code=status)
+
+
+class _Strict(BaseModel):
+    # A misspelt field is a 400 that names it, not silently the default.
+    model_config = ConfigDict(extra="forbid")
+
+
+class ControlNetSpec(_Strict):
+    name: str = Field(min_length=1, description="a ControlNet in the server's adapter store")
+    image: str = Field(min_length=1, description="the control image, PNG or JPEG, base64 "
+                                                 "(a data: URL is accepted too)")
+    scale: float = 1.0
+    guidance_start: float | None = None
+    guidance_end: float | None = None
+
+    def image_bytes(self) -> bytes:
+        data = self.image
+        if data.startswith("data:"):
+            data = data.partition(",")[2]
+        return base64.b64decode(data, validate=True)
+
+
+class LoraSpec(_Strict):
+    name: str = Field(min_length=1, description="a LoRA in the server's adapter store")
+    scale: float = 1.0
+
+
+class ImageGenerationRequest(_Strict):
+    """The OpenAI images API body; fields after `user` are Easel's extensions."""
+
+    prompt: str
+    model: str | None = None
+    n: int | None = Field(1, ge=1)
+    size: str | None = None  # "WIDTHxHEIGHT" or "auto" (the model's own size)
+    response_format: str | None = None  # only "b64_json"
+    # Sent by OpenAI clients; accepted and ignored.
+    quality: str | None = None
+    style: str | None = None
+    user: str | None = None
+    # Easel's extensions.
+    steps: int | None = None
+    seed: int | None = Field(None, ge=0, le=SEED_MAX)
+    guidance_scale: float | None = None
+    negative_prompt: str | None = None
+    scheduler: str | None = None
+    output_format: Literal["png", "jpeg", "webp"] | None = None
+    controlnets: list[ControlNetSpec] | None = None
+    loras: list[LoraSpec] | None = None
+
+    @field_validator("size")
+    @classmethod
+    def _size(cls, value: str | None) -> str | None:
+        if value is None or value == "auto" or _SIZE_RE.fullmatch(value):
+            return value
+        raise ValueError(f"{value[:40]!r} is not WIDTHxHEIGHT (e.g. 1024x1024) or auto")
+
+    def width_height(self) -> tuple[int | None, int | None]:
+        if self.size is None or self.size == "auto":
+            return None, None
+        m = _SIZE_RE.fullmatch(self.size)
+        return int(m[1]), int(m[2])
+
+
+def status_name(status: str | None) -> str | None:
+    """'StatusCode.NOT_FOUND' (gRPC) or '404' (HTTP) -> 'NOT_FOUND'."""
+    if status is None:
+        return None
+    name = status.rsplit(".", 1)[-1]
+    return HTTP_STATUS_NAMES.get(name, name)
+
+
+def clean_message(message: str) -> str:
+    """A Triton message as a client may see it: no filesystem paths, bounded length."""
+    message = _PATH_RE.sub("<path>", message).strip()
+    return message[:1000]
+
+
+def triton_error(err: EaselError) -> ApiError:
+    """The OpenAI error for a failed `easel` request."""
+    message = str(err)
+    name = status_name(err.status)
+    lowered = message.lower()
+    if name is None or (name == "UNAVAILABLE" and any(s in lowered for s in _UNREACHABLE)):
+        # Not the server's answer but no answer at all: say so without the address.
+        return ApiError(503, "the inference server is unreachable; try again later",
+                        "server_error", None, "unavailable")
+    status, type_, code = STATUS_MAP.get(name, INTERNAL)
+    m = _FIELD_RE.search(message)
+    param = TRITON_FIELDS[m[1]] if m and status < 500 else None
+    if status == 500:
+        message = "the inference server failed on this request: " + message
+    return ApiError(status, clean_message(message), type_, param, code)
+
+
+def validation_error(exc: RequestValidationError) -> ApiError:
+    """Pydantic's first complaint about the body, as a 400 naming the field."""
+    errors = exc.errors()
+    if not errors:
+        return ApiError(400, "invalid request body", code="invalid_request")
+    first = errors[0]
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    param = ".".join(loc) or None
+    kind = first.get("type", "")
+    if kind == "extra_forbidden":
+        return ApiError(400, f"{param}: unknown parameter", param=param, code="unknown_parameter")
+    if kind == "missing" and param:
+        return ApiError(400, f"{param}: is required", param=param, code="missing_required_parameter")
+    if kind in ("json_invalid", "model_attributes_type") or not param:
+        return ApiError(400, "the body must be a JSON object: " + str(first.get("msg", "")),
+                        code="invalid_json")
+    msg = str(first.get("msg", "invalid value")).removeprefix("Value error, ")
+    return ApiError(400, f"{param}: {msg}", param=param, code="invalid_value")
+
+
+def _generate_kwargs(body: ImageGenerationRequest) -> dict[str, Any]:
+    """EaselClient.generate keyword arguments for one image (seed left to the caller)."""
+    width, height = body.width_height()
+    kwargs: dict[str, Any] = dict(
+        prompt=body.prompt, negative_prompt=body.negative_prompt, width=width, height=height,
+        steps=body.steps, guidance_scale=body.guidance_scale, scheduler=body.scheduler,
+        output_format=body.output_format)
+    if body.controlnets:
+        images = []
+        for i, c in enumerate(body.controlnets):
+            try:
+                images.append(c.image_bytes())
+            except (binascii.Error, ValueError):
+                raise ApiError(400, f"controlnets.{i}.image: not valid base64",
+                               param=f"controlnets.{i}.image", code="invalid_value") from None
+        kwargs.update(controlnets=tuple(c.name for c in body.controlnets),
+                      control_images=tuple(images),
+                      control_scales=tuple(c.scale for c in body.controlnets))
+        if any(c.guidance_start is not None or c.guidance_end is not None for c in body.controlnets):
+            # The model takes the windows for all ControlNets or none: the defaults fill in.
+            kwargs.update(
+                control_guidance_start=tuple(0.0 if c.guidance_start is None else c.guidance_start
+                                             for c in body.controlnets),
+                control_guidance_end=tuple(1.0 if c.guidance_end is None else c.guidance_end
+                                           for c in body.controlnets))
+    if body.loras:
+        kwargs.update(loras=tuple(lo.name for lo in body.loras),
+                      lora_scales=tuple(lo.scale for lo in body.loras))
+    return kwargs
+
+
+def create_app(triton_url: str, *, model: str = MODEL, max_n: int = DEFAULT_MAX_N,
+               timeout_s: float | None = None, max_workers: int = 32) -> FastAPI:
+    """The API, forwarding to the `model` ensemble of the Triton at `triton_url` (gRPC,
+    HOST:PORT). `max_n`: images per request; `timeout_s`: each image's deadline (default the
+    client's); `max_workers`: Triton requests in flight from this process at once."""
+    client = EaselClient(triton_url, protocol="grpc", model=model, timeout_s=timeout_s)
+    pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="easel-openai")
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI):
+        log.info("OpenAI images API for Triton model %r at %s (gRPC)", model, triton_url)
+        try:
+            yield
+        finally:
+            pool.shutdown(wait=False, cancel_futures=True)
+            client.close()
+
+    app = FastAPI(title="Easel OpenAI images API", lifespan=lifespan)
+    app.state.client = client
+
+    @app.exception_handler(ApiError)
+    async def _api_error(request: Request, exc: ApiError):
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(request: Request, exc: RequestValidationError):
+        err = validation_error(exc)
+        log.info("%s %s: 400 %s", request.method, request.url.path, err.message)
+        return err.response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(request: Request, exc: StarletteHTTPException):
+        code = {404: "not_found", 405: "method_not_allowed"}.get(exc.status_code)
+        return error_response(exc.status_code, str(exc.detail), "invalid_request_error", None, code)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception):
+        log.exception("%s %s failed", request.method, request.url.path)
+        return error_response(500, "internal error in the API server", "server_error", None,
+                              "internal_error")
+
+    created = int(time.time())
+
+    def model_card() -> dict:
+        return {"id": model, "object": "model", "created": created, "owned_by": "easel"}
+
+    @app.get("/v1/models")
+    async def list_models():
+        return {"object": "list", "data": [model_card()]}
+
+    @app.get("/v1/models/{model_id}")
+    async def get_model(model_id: str):
+        if model_id != model:
+            raise ApiError(404, f"model {model_id[:100]!r} does not exist; this server serves "
+                                f"{model!r}", param="model", code="model_not_found")
+        return model_card()
+
+    @app.post("/v1/images/generations")
+    async def generations(body: ImageGenerationRequest):
+        if body.model is not None and body.model != model:
+            raise ApiError(404, f"model {body.model[:100]!r} does not exist; this server serves "
+                                f"{model!r}", param="model", code="model_not_found")
+        if body.response_format not in (None, "b64_json"):
+            raise ApiError(400, f"response_format {body.response_format[:40]!r} is not supported: "
+                                "this server keeps no images to link to; use b64_json",
+                           param="response_format", code="unsupported_value")
+        if (body.n or 1) > max_n:
+            raise ApiError(400, f"n: {body.n} is more than this server's limit of {max_n}",
+                           param="n", code="invalid_value")
+        if body.seed is not None and body.seed + (body.n or 1) - 1 > SEED_MAX:
+            raise ApiError(400, f"seed: images take seeds seed..seed+n-1, which must stay "
+                                f"<= {SEED_MAX}", param="seed", code="invalid_value")
+        n = body.n or 1
+        kwargs = _generate_kwargs(body)
+        seeds = [None if body.seed is None else body.seed + i for i in range(n)]
+        loop = asyncio.get_running_loop()
+        start = time.monotonic()
+
+        def one(seed):
+            return client.generate(**kwargs, seed=seed)
+
+        futures = [loop.run_in_executor(pool, one, s) for s in seeds]
+        results = await asyncio.gather(*futures, return_exceptions=True)
+        for r in results:
+            if isinstance(r, EaselError):
+                err = triton_error(r)
+                log.warning("images/generations n=%d: %d %s (Triton: %s %s)", n, err.status,
+                            err.message, r.status, str(r)[:300])
+                raise err
+            if isinstance(r, BaseException):
+                raise r
+        log.info("images/generations n=%d size=%s: 200 in %.2f s", n, body.size or "auto",
+                 time.monotonic() - start)
+        first = results[0].info
+        response: dict[str, Any] = {
+            "created": int(time.time()),
+            "data": [{"b64_json": base64.b64encode(r.png).decode("ascii"), "revised_prompt": None,
+                      "info": r.info} for r in results],
+            "output_format": first.get("output_format", body.output_format or "png"),
+        }
+        if "width" in first and "height" in first:
+            response["size"] = f"{first['width']}x{first['height']}"
+        return response
+
+    return app
+
+
+def run(triton_url: str, host: str = "0.0.0.0", port: int = 8080, **options) -> None:
+    """Serve the API with uvicorn until interrupted (logs through this process's logging)."""
+    import uvicorn
+
+    app = create_app(triton_url, **options)
+    log.info("serving the OpenAI images API on http://%s:%d/v1", host, port)
+    uvicorn.run(app, host=host, port=port, log_config=None)

@@ -1,0 +1,130 @@
+"""`easel openai` (issue 13, item 2): the OpenAI images API in front of a real tritonserver on the
+tiny models, called with the official `openai` client and with raw HTTP for the error bodies."""
+
+from __future__ import annotations
+
+import base64
+import io
+import socket
+import threading
+import time
+
+import httpx
+import numpy as np
+import openai
+import pytest
+import uvicorn
+from openai import OpenAI
+from PIL import Image
+
+from clients.client import EaselClient
+from clients.openai_api import create_app
+
+SMALL = {"steps": 2, "seed": 1}
+
+
+@pytest.fixture(scope="module")
+def api(server):
+    """The API on a free loopback port, served by uvicorn in a background thread; its base URL."""
+    sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    sock.bind(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    config = uvicorn.Config(create_app(server.url_grpc, timeout_s=300), log_config=None,
+                            lifespan="on")
+    srv = uvicorn.Server(config)
+    thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not srv.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "uvicorn did not start"
+        time.sleep(0.05)
+    yield f"http://127.0.0.1:{port}/v1"
+    srv.should_exit = True
+    thread.join(timeout=30)
+    sock.close()
+
+
+@pytest.fixture(scope="module")
+def oai(api):
+    return OpenAI(base_url=api, api_key="unused", max_retries=0, timeout=300)
+
+
+def decode(b64: str) -> Image.Image:
+    img = Image.open(io.BytesIO(base64.b64decode(b64)))
+    img.load()
+    return img
+
+
+def rgb(img: Image.Image) -> np.ndarray:
+    return np.asarray(img.convert("RGB")).astype(int)
+
+
+def test_generate_with_the_openai_client_equals_easel(server, oai):
+    res = oai.images.generate(prompt="a yellow car", size="64x64", response_format="b64_json",
+                              extra_body=SMALL)
+    assert len(res.data) == 1 and res.created > 0
+    item = res.data[0]
+    img = decode(item.b64_json)
+    assert img.format == "PNG" and img.size == (64, 64)
+    info = item.model_extra["info"]
+    assert info["seed"] == 1 and info["steps"] == 2
+    with EaselClient(server.url_grpc, protocol="grpc") as c:
+        direct = c.generate("a yellow car", width=64, height=64, **SMALL)
+    # The same request through `easel`: the same pixels (one uint8 level if batching differed).
+    assert int(np.abs(rgb(img) - rgb(direct.image())).max()) <= 1
+
+
+def test_n_images_take_consecutive_seeds(server, oai):
+    res = oai.images.generate(prompt="a red boat", n=2, size="64x96", response_format="b64_json",
+                              extra_body={**SMALL, "seed": 7, "output_format": "webp"})
+    assert len(res.data) == 2
+    images = [decode(d.b64_json) for d in res.data]
+    assert all(i.format == "WEBP" and i.size == (64, 96) for i in images)
+    assert [d.model_extra["info"]["seed"] for d in res.data] == [7, 8]
+    assert not np.array_equal(rgb(images[0]), rgb(images[1]))
+    assert res.model_extra["size"] == "64x96" and res.model_extra["output_format"] == "webp"
+
+
+def test_loras_and_controlnets_go_through(oai):
+    buf = io.BytesIO()
+    Image.new("RGB", (64, 64), (200, 30, 30)).save(buf, "PNG")
+    control = base64.b64encode(buf.getvalue()).decode()
+    res = oai.images.generate(prompt="a cat", size="64x64", response_format="b64_json", extra_body={
+        **SMALL, "loras": [{"name": "papercut", "scale": 0.8}],
+        "controlnets": [{"name": "canny", "image": control, "scale": 0.5}]})
+    assert decode(res.data[0].b64_json).size == (64, 64)
+
+
+@pytest.mark.parametrize("body, status, param, text", [
+    ({"size": "64by64"}, 400, "size", "WIDTHxHEIGHT"),
+    ({"size": "100x64"}, 400, "size", "width: 100 is not a multiple of 8"),  # Triton's refusal
+    ({"stepz": 2}, 400, "stepz", "unknown parameter"),
+    ({"response_format": "url"}, 400, "response_format", "b64_json"),
+    ({"n": 5}, 400, "n", "limit of 4"),
+    ({"scheduler": "heun"}, 400, "scheduler", "unknown name 'heun'"),
+    ({"loras": [{"name": "nosuch"}]}, 404, "loras", "unknown LoRA 'nosuch'"),
+    ({"model": "dall-e-3"}, 404, "model", "does not exist"),
+])
+def test_errors_are_openai_json_with_the_right_status(api, body, status, param, text):
+    r = httpx.post(f"{api}/images/generations", timeout=300,
+                   json={"prompt": "a cat", "size": "64x64", **SMALL, **body})
+    assert r.status_code == status, r.text
+    error = r.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"}
+    assert error["param"] == param and text in error["message"], error
+    assert "/" not in error["message"].replace("b64_json", ""), error  # no server paths
+
+
+def test_the_openai_client_raises_its_own_errors(oai):
+    with pytest.raises(openai.BadRequestError) as err:
+        oai.images.generate(prompt="a cat", size="64x64", response_format="url", extra_body=SMALL)
+    assert err.value.status_code == 400 and "b64_json" in err.value.message
+    with pytest.raises(openai.NotFoundError):
+        oai.images.generate(prompt="a cat", size="64x64", extra_body={**SMALL, "loras": [{"name": "nosuch"}]})
+
+
+def test_models_lists_easel(oai, api):
+    assert [m.id for m in oai.models.list()] == ["easel"]
+    assert httpx.get(f"{api}/models/easel").json()["id"] == "easel"
+    assert httpx.get(f"{api}/models/other").status_code == 404
