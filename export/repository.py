@@ -221,8 +221,9 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
         "generate", "easel_generate", contract.GENERATE, Instances("KIND_CPU", options.generate_instances),
         {"denoisers": ",".join(names), **checks},
         # Requests wait here for the denoisers (each instance holds one until its latents come
-        # back): bounded like the denoisers' own queues, so a flood is refused at once.
-        max_queue=options.max_queue))
+        # back): bounded like the denoisers' own queues, so a flood is refused at once. At least
+        # 1: Triton reads max_queue_size 0 as "no bound".
+        max_queue=max(1, options.max_queue)))
     # Image encoding is CPU-bound and single-threaded (PNG: 0.17-0.22 s at 1024 px on the H200
     # host): several instances, so that requests finishing together do not queue behind it.
     model = _fresh_model_dir(repo, "postprocess")

@@ -200,6 +200,8 @@ def test_every_model_that_reads_params_gets_the_limits(tiny_model, tmp_path):
     assert DenoiserConfig.from_json(params_of(parsed["denoiser"])["denoiser"]).max_queue == 5
     # requests waiting for a generate instance are bounded too (Triton refuses past it, UNAVAILABLE)
     assert parsed["generate"].dynamic_batching.default_queue_policy.max_queue_size == 5
+    repo = export_repository(tiny_model, tmp_path / "repo0", ExportOptions(max_queue=0))
+    assert configs(repo)["generate"].dynamic_batching.default_queue_policy.max_queue_size == 1  # 0: unbounded
 
 
 def test_cuda_export_writes_one_denoiser_per_gpu(cuda_repo):
