@@ -168,6 +168,11 @@ def triton_error(err: EaselError) -> ApiError:
         # Not the server's answer but no answer at all: say so without the address.
         return ApiError(503, "the inference server is unreachable; try again later",
                         "server_error", None, "unavailable")
+    if name == "NOT_FOUND" and ("unknown model" in lowered or "no available versions" in lowered):
+        # The public model itself is gone: the server is draining or restarting, a passing state
+        # (OpenAI clients retry a 503, not a 404).
+        return ApiError(503, "the model is not available now (the server is draining or "
+                             "restarting); try again later", "server_error", None, "unavailable")
     status, type_, code = STATUS_MAP.get(name, INTERNAL)
     m = _FIELD_RE.search(message)
     param = TRITON_FIELDS[m[1]] if m and status < 500 else None

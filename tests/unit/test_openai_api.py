@@ -17,6 +17,7 @@ from clients.openai_api import create_app, triton_error
     ("StatusCode.INVALID_ARGUMENT", "controlnets[0]: '../x' is not a valid adapter name", 400, "controlnets"),
     ("StatusCode.NOT_FOUND", "loras: unknown LoRA 'nosuch'", 404, "loras"),
     ("StatusCode.UNAVAILABLE", "denoiser queue is full (8 waiting)", 503, None),
+    ("StatusCode.NOT_FOUND", "Request for unknown model: 'easel' has no available versions", 503, None),
     ("StatusCode.RESOURCE_EXHAUSTED", "too many", 429, None),
     ("StatusCode.DEADLINE_EXCEEDED", "Deadline Exceeded", 504, None),
     ("StatusCode.INTERNAL", "steps: boom in /opt/easel/backends/x.py line 3", 500, None),
