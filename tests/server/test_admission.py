@@ -11,7 +11,9 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
+from bench.soak import rss_bytes
 from clients.client import EaselClient, EaselError
+from clients.procs import descendants
 from clients.serve import TritonServer
 from export.repository import export_repository
 from tests.server.conftest import OPTIONS, metric_values
@@ -42,9 +44,19 @@ def one(url: str):
         return err.status, time.monotonic() - start, str(err)
 
 
+def rss(server) -> int:
+    """Resident bytes of tritonserver and every process under it (stubs, LoRA loaders)."""
+    return sum(rss_bytes(pid) or 0 for pid in [server.pid, *descendants(server.pid)])
+
+
 def test_a_flood_is_refused_at_once_past_the_bound(bounded):
+    one(bounded.url_grpc)  # warm: first requests allocate what every later one reuses
+    before = rss(bounded)
     with ThreadPoolExecutor(FLOOD) as pool:
         results = list(pool.map(one, [bounded.url_grpc] * FLOOD))
+    # Memory stays bounded while it lasts: what was refused holds nothing (stated margin: the
+    # soak's per-process bound, bench/soak.py, for the whole tree).
+    assert rss(bounded) - before < 160 * 2**20, (before, rss(bounded))
     served = [r for r in results if r[0] == "ok"]
     refused = [r for r in results if r[0] != "ok"]
     assert served and refused, [r[0] for r in results]
