@@ -56,6 +56,10 @@ ADMIN_KEY_CHARS = re.compile(r"[A-Za-z0-9._~-]{16,}")
 # perf_analyzer reads the statistics API and stops with an error without it, and the open
 # metrics port publishes the same counters anyway.
 RESTRICTED_APIS = ("shared-memory", "logging", "trace", "model-repository")
+# The drain flag: a file whose path the server's environment carries; `preprocess` refuses every
+# request with UNAVAILABLE while it exists (backends/easel_preprocess/model.py).
+DRAIN_FLAG_ENV = "EASEL_DRAIN_FLAG"
+DRAIN_FLAG_FILE = "draining"
 
 
 class ServerStartError(RuntimeError):
@@ -292,6 +296,11 @@ class TritonServer:
         return self.run_dir / "server.log"
 
     @property
+    def drain_flag(self) -> Path:
+        assert self.run_dir is not None, "server not started"
+        return self.run_dir / DRAIN_FLAG_FILE
+
+    @property
     def admin_headers(self) -> dict[str, str]:
         assert self.admin_key is not None, "server not started"
         return {ADMIN_HEADER: self.admin_key}
@@ -344,6 +353,9 @@ class TritonServer:
             self._own_run_dir = not self.detach
         backend_dir = assemble_backend_dir(self.run_dir / "backends", triton, project,
                                            required_backends(repo))
+        self.drain_flag.unlink(missing_ok=True)  # a run dir given again must not start draining
+        env = server_env(triton, project)
+        env[DRAIN_FLAG_ENV] = str(self.drain_flag)
         argv = self.argv(triton.binary, backend_dir)
         shown = [re.sub(rf"{ADMIN_HEADER}=\S+", f"{ADMIN_HEADER}=***", a) for a in argv]
         log.info("starting %s (log: %s)", " ".join(shown), self.log_path)
@@ -351,7 +363,7 @@ class TritonServer:
         with open(self.log_path, "wb") as out:
             self.proc = subprocess.Popen(
                 argv, stdout=out, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                env=server_env(triton, project), cwd=self.run_dir,
+                env=env, cwd=self.run_dir,
                 # Own session: a terminal Ctrl-C reaches only us, and we forward
                 # it once; detached servers also outlive our exit.
                 start_new_session=True,
@@ -517,35 +529,71 @@ class TritonServer:
         """Stop admitting requests, let every admitted one finish; True when none is left.
 
         Triton's own shutdown cannot drain an ensemble: it stops every model at once, so the
-        later steps of a request in flight (new internal requests) are refused. Unloading only
-        the public ensembles does what we need: a new request to them is refused at once, the
-        server reports not ready (strict readiness counts an UNLOADING model), and Triton keeps
-        an ensemble in UNLOADING until its last request in flight has finished, while the
-        models its steps call stay loaded. tritonserver is stopped after this returns.
+        later steps of a request in flight (new internal requests) are refused. So, first:
+        - the drain flag: from now on `preprocess`, the ensemble's first step, refuses every
+          request with UNAVAILABLE / 503 (retry elsewhere), at once;
+        - each public ensemble switches to its spare version (export: `easel` serves version 1
+          and has an identical version 2), loaded with a config override. Triton then unloads
+          the serving version, and keeps it UNLOADING until its last request in flight has
+          finished (the models its steps call stay loaded): that is our signal that the
+          admitted requests are done. New requests meanwhile reach the spare version, whose
+          preprocess refuses them; and the server is not ready (strict readiness counts a
+          LOADING or UNLOADING model).
+        A repository without a spare version (exported before) is unloaded instead, as before:
+        new requests then get NOT_FOUND / 404 during the drain. tritonserver is stopped after
+        this returns.
         """
-        models = self.public_models()
-        for name in models:
-            status, body = self.admin_request(f"/v2/repository/models/{name}/unload", {})
-            if status != 200:
-                log.warning("drain: unloading %s failed (%d): %s", name, status, body[:200])
         deadline = time.monotonic() + timeout
+        self.drain_flag.touch()
+        leaving: set[tuple[str, str]] = set()  # (model, version) that must finish unloading
+        for name in self.public_models():
+            serving = self._switch_to_spare_version(name)
+            if serving is None:
+                status, body = self.admin_request(f"/v2/repository/models/{name}/unload", {})
+                if status != 200:
+                    log.warning("drain: unloading %s failed (%d): %s", name, status, body[:200])
+                serving = {"*"}
+            leaving |= {(name, v) for v in serving}
         while time.monotonic() < deadline and self.proc is not None and self.proc.poll() is None:
             states = self._model_states()
             # No answer (a busy HTTP front end) is not an answer that the drain is done.
-            if states and not any(states.get(m) == "UNLOADING" for m in models):
+            if states and not any(state == "UNLOADING" for (name, version), state in states.items()
+                                  if (name, version) in leaving or (name, "*") in leaving):
                 return True
             time.sleep(0.2)
         log.warning("drain: requests still in flight after %.0f s", timeout)
         return False
 
-    def _model_states(self) -> dict[str, str]:
+    def _switch_to_spare_version(self, name: str) -> set[str] | None:
+        """Load `name`'s spare version in place of the serving one; the versions it replaced
+        (now UNLOADING until their requests finish), or None where it has no spare version."""
+        serving = {v for (n, v), state in self._model_states().items() if n == name and state == "READY"}
+        folders = {p.name for p in (Path(self.repo) / name).iterdir() if p.is_dir() and p.name.isdigit()}
+        spare = sorted(folders - serving, key=int)
+        if not serving or not spare:
+            return None
+        status, body = self.admin_request(f"/v2/models/{name}/config")
+        if status != 200:
+            log.warning("drain: reading %s's config failed (%d): %s", name, status, body[:200])
+            return None
+        config = json.loads(body)
+        config["version_policy"] = {"specific": {"versions": [int(spare[0])]}}
+        status, body = self.admin_request(f"/v2/repository/models/{name}/load",
+                                          {"parameters": {"config": json.dumps(config)}})
+        if status != 200:
+            log.warning("drain: loading %s version %s failed (%d): %s", name, spare[0], status, body[:200])
+            return None
+        return serving
+
+    def _model_states(self) -> dict[tuple[str, str], str]:
+        """(model, version) -> state, from the repository index."""
         try:
             status, body = self.admin_request("/v2/repository/index", {}, timeout=5)
         except (urllib.error.URLError, OSError):
             return {}
         if status != 200:
             return {}
-        return {m["name"]: m.get("state", "") for m in json.loads(body)}
+        return {(m["name"], str(m.get("version", ""))): m.get("state", "") for m in json.loads(body)}
 
     def __enter__(self) -> "TritonServer":
         self.start()

@@ -24,7 +24,7 @@ from backends.core.runtime.config import RUNTIME_KINDS, RuntimeConfig, default_k
 from backends.core.request.params import Limits
 from backends.core.stages.text_encoding import OPTIONS_FILE
 
-from .triton_config import Instances, ensemble, python_model
+from .triton_config import DRAINING_VERSION, Instances, ensemble, python_model
 
 log = logging.getLogger(__name__)
 
@@ -232,6 +232,9 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
         checks))
 
     model = _fresh_model_dir(repo, "easel")
+    # Two versions of one ensemble: version 1 serves; `easel serve` drains by switching to
+    # version 2 (export/triton_config.py, SERVING_VERSION).
+    (model / str(DRAINING_VERSION)).mkdir()
     (model / "config.pbtxt").write_text(ensemble("easel"))
     if options.onnx:
         from .onnx_export import export_repository_onnx

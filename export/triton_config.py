@@ -68,6 +68,14 @@ class _Wiring:
         return self.latest.get(name, name)  # public inputs keep their own names
 
 
+# The public ensemble's version folders: it serves SERVING_VERSION; DRAINING_VERSION (an identical
+# ensemble) is what `easel serve`'s drain switches to, so that Triton keeps the serving version
+# UNLOADING until its admitted requests finish while new requests still find a model, whose
+# preprocess refuses them with UNAVAILABLE (clients/serve.py, TritonServer.drain).
+SERVING_VERSION = 1
+DRAINING_VERSION = 2
+
+
 def ensemble(name: str = "easel") -> str:
     wiring = _Wiring()
     steps = []
@@ -86,6 +94,7 @@ def ensemble(name: str = "easel") -> str:
         f'name: "{name}"',
         'platform: "ensemble"',
         "max_batch_size: 0",
+        f"version_policy: {{ specific: {{ versions: [ {SERVING_VERSION} ] }} }}",
         _tensors("input", PUBLIC.inputs),
         _tensors("output", PUBLIC.outputs),
         "ensemble_scheduling {\n  step [\n" + ",\n".join(steps) + "\n  ]\n}",

@@ -12,6 +12,7 @@ for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         site.addsitedir(_p)
 sys.path[:] = [p for p in sys.path if p not in _own] + _own
 
+import logging  # noqa: E402
 import time  # noqa: E402
 
 import numpy as np  # noqa: E402
@@ -20,15 +21,32 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 from backends.core.request.contract import PREPROCESS  # noqa: E402
 from backends.core.request.adapter_inputs import validate_request  # noqa: E402
 from backends.core.request.params import Limits  # noqa: E402
-from backends.triton_adapter import each_request, parameters, params_tensor, read_inputs, scalar, setup_logging  # noqa: E402
+from backends.triton_adapter import (each_request, error, parameters, params_tensor, read_inputs, scalar,  # noqa: E402
+                                     setup_logging)
+
+log = logging.getLogger("backends.preprocess")
+
+# `easel serve` names a file here (clients/serve.py, TritonServer.drain) and creates it when it
+# starts draining: from then on every request is refused at the ensemble's first step, with
+# UNAVAILABLE (gRPC) / 503 (HTTP), so clients and load balancers retry elsewhere, while the
+# requests already past this step finish.
+DRAIN_FLAG_ENV = "EASEL_DRAIN_FLAG"
+DRAINING = "the server is draining (shutting down); retry on another replica"
 
 
 class TritonPythonModel:
     def initialize(self, args):
         setup_logging()
         self.limits = Limits.from_json(parameters(args)["limits"])
+        self.drain_flag = os.environ.get(DRAIN_FLAG_ENV) or None
+        self.draining = False
 
     def execute(self, requests):
+        if self.drain_flag is not None and os.path.exists(self.drain_flag):  # a stat: microseconds
+            if not self.draining:  # one line per drain, not one per refused request
+                log.warning("draining: refusing new requests with UNAVAILABLE")
+                self.draining = True
+            return [error(DRAINING, code=pb_utils.TritonError.UNAVAILABLE) for _ in requests]
         return each_request(requests, self._validate, "preprocess")
 
     def _validate(self, request):

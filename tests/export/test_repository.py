@@ -119,6 +119,14 @@ def test_ensemble_steps_connect(repo):
     assert [o.name for o in easel.output] == ["image", "info"]
 
 
+def test_ensemble_serves_one_version_and_has_a_spare_for_draining(repo):
+    # `easel serve` drains by switching the ensemble to its spare version (clients/serve.py,
+    # TritonServer.drain): Triton keeps version 1 UNLOADING until its requests finish.
+    easel = configs(repo)["easel"]
+    assert list(easel.version_policy.specific.versions) == [1]
+    assert sorted(p.name for p in (repo / "easel").iterdir() if p.is_dir()) == ["1", "2"]
+
+
 def test_only_the_denoisers_are_decoupled(repo):
     for name, config in configs(repo).items():
         assert config.model_transaction_policy.decoupled == name.startswith("denoiser"), name

@@ -192,13 +192,19 @@ def test_sigterm_drains_admitted_requests(serving):
     signalled = time.monotonic()
     serving.proc.send_signal(signal.SIGTERM)
 
-    _wait_until(lambda: not serving.ready(), 1.0, step=0.05)
-    with EaselClient(serving.url_grpc, protocol="grpc") as c:
-        start = time.monotonic()
-        with pytest.raises(EaselError) as refused:
-            c.generate("too late", width=64, height=64, steps=2, seed=3)
-    assert time.monotonic() - start < 2.0
-    assert refused.value.status in ("StatusCode.UNAVAILABLE", "StatusCode.NOT_FOUND"), refused.value
+    not_ready_after = _wait_until(lambda: not serving.ready(), 1.0, step=0.05)
+    # New requests are refused at once with UNAVAILABLE / 503 (retry elsewhere), not NOT_FOUND / 404.
+    refusals = []
+    for protocol, url in (("grpc", serving.url_grpc), ("http", f"localhost:{serving.ports[0]}")):
+        with EaselClient(url, protocol=protocol) as c:
+            start = time.monotonic()
+            with pytest.raises(EaselError) as refused:
+                c.generate("too late", width=64, height=64, steps=2, seed=3)
+        refusals.append(time.monotonic() - start)
+        assert refusals[-1] < 2.0, (protocol, refusals)
+        assert refused.value.status in ("StatusCode.UNAVAILABLE", "503"), (protocol, refused.value.status, refused.value)
+        assert "draining" in str(refused.value), refused.value
+    assert not serving.ready()  # still draining
 
     for r in requests:
         r.join(240)  # a shared 2-core host: 4 of these took from 0.4 to 45 s after the signal
@@ -208,8 +214,9 @@ def test_sigterm_drains_admitted_requests(serving):
     last = max(r.ended for r in requests) - signalled
     assert all(not procs.pid_alive(p) for p in family)
     assert not list(procs.SHM_DIR.glob(f"{prefix}*"))
-    print(f"\nlast admitted request finished {last:.1f} s after SIGTERM; easel serve exited after "
-          f"{stopped_after:.1f} s")
+    print(f"\nnot ready {not_ready_after:.2f} s after SIGTERM; new requests refused in "
+          f"{', '.join(f'{t:.2f}' for t in refusals)} s (gRPC, HTTP); last admitted request finished "
+          f"{last:.1f} s after SIGTERM; easel serve exited after {stopped_after:.1f} s")
 
 
 def test_sigkill_of_serve_takes_the_server_and_stubs_along(repo):
