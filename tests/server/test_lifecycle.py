@@ -212,11 +212,14 @@ def test_sigterm_drains_admitted_requests(serving):
     assert serving.proc.wait(60) == 0, serving.text[-3000:]
     stopped_after = time.monotonic() - signalled
     last = max(r.ended for r in requests) - signalled
+    drained = serving.wait_for(r"drain (complete|timed out) after ([\d.]+) s", 5)
+    assert drained[1] == "complete", drained[0]
     assert all(not procs.pid_alive(p) for p in family)
     assert not list(procs.SHM_DIR.glob(f"{prefix}*"))
     print(f"\nnot ready {not_ready_after:.2f} s after SIGTERM; new requests refused in "
           f"{', '.join(f'{t:.2f}' for t in refusals)} s (gRPC, HTTP); last admitted request finished "
-          f"{last:.1f} s after SIGTERM; easel serve exited after {stopped_after:.1f} s")
+          f"{last:.1f} s after SIGTERM; drain complete after {drained[2]} s; easel serve exited after "
+          f"{stopped_after:.1f} s")
 
 
 def test_sigkill_of_serve_takes_the_server_and_stubs_along(repo):
