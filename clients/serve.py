@@ -541,7 +541,8 @@ class TritonServer:
           LOADING or UNLOADING model).
         A repository without a spare version (exported before) is unloaded instead, as before:
         new requests then get NOT_FOUND / 404 during the drain. tritonserver is stopped after
-        this returns.
+        this returns (from the moment the drain ends to tritonserver's SIGTERM, milliseconds,
+        the server reads ready again; the flag still refuses new requests).
         """
         deadline = time.monotonic() + timeout
         self.drain_flag.touch()
