@@ -83,7 +83,7 @@ def test_n_images_take_consecutive_seeds(server, oai):
     assert all(i.format == "WEBP" and i.size == (64, 96) for i in images)
     assert [d.model_extra["info"]["seed"] for d in res.data] == [7, 8]
     assert not np.array_equal(rgb(images[0]), rgb(images[1]))
-    assert res.model_extra["size"] == "64x96" and res.model_extra["output_format"] == "webp"
+    assert res.size == "64x96" and res.output_format == "webp"  # fields of OpenAI's response too
 
 
 def test_loras_and_controlnets_go_through(oai):
