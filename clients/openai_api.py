@@ -156,6 +156,7 @@ def status_name(status: str | None) -> str | None:
 def clean_message(message: str) -> str:
     """A Triton message as a client may see it: no filesystem paths, bounded length."""
     message = _PATH_RE.sub("<path>", message).strip()
+    message = re.sub(r"^in ensemble '[^']*', ", "", message)  # Triton's prefix: says nothing here
     return message[:1000]
 
 

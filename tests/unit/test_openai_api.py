@@ -28,6 +28,7 @@ def test_triton_statuses_map_to_http(status, message, http, param):
     err = triton_error(EaselError(message, status))
     assert (err.status, err.param) == (http, param), (err.status, err.param, err.message)
     assert "/opt/" not in err.message and "x.py" not in err.message
+    assert not err.message.startswith("in ensemble")
 
 
 def test_unreachable_triton_is_503_without_its_address():
