@@ -16,6 +16,7 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+import time
 from collections import defaultdict
 from pathlib import Path
 
@@ -111,8 +112,6 @@ def main() -> None:
         server.wait_ready()
         with EaselClient(server.url_grpc, protocol="grpc") as client:
             client.generate("warm up", steps=2, seed=0, width=size, height=size)
-            import time
-
             for seed in range(args.runs):
                 start = time.perf_counter()
                 result = client.generate("a yellow car", steps=args.steps, seed=seed, width=size, height=size)
