@@ -1,0 +1,144 @@
+"""Where a UNet step's GPU time goes, by kind of kernel: matrix products, convolutions, attention,
+norms, layout changes, inductor's fused kernels, other element-wise work. SDXL-base shapes with
+random fp16 weights, one request with guidance (2 rows) by default, in process (no server).
+
+For each runtime variant (as bench/runtime_micro.py names them: `graphs+fused`, `compiled+cl`, ...)
+the step is timed as the runtime replays it (CUDA events, median), and its kernels are profiled
+unreplayed (the same modules, or the same compiled functions, called directly) so that each kernel
+shows under its own name. Each category's share is printed beside the FLOP floor of the step.
+
+    python3 -m bench.step_profile --work /tmp/easel-micro --out $OUT/step_profile.json --kinds graphs+fused,compiled
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import statistics
+import time
+from collections import defaultdict
+
+from bench.common import bench_parser, random_sdxl, start_logging
+from bench.runtime_micro import gpu_ms
+
+log = logging.getLogger("bench.step_profile")
+
+# First match wins: order matters (cuDNN's convolution kernels also say "xmma", GEMMs "cutlass").
+CATEGORIES = (
+    ("attention", ("flash", "fmha", "attention", "sdpa")),
+    ("layout", ("nchwtonhwc", "nhwctonchw", "transpose", "copy_kernel", "permute")),
+    ("conv", ("conv", "fprop", "implicit_gemm", "winograd", "dgrad")),
+    ("gemm", ("gemm", "nvjet", "cutlass", "cublas", "splitk", "xmma")),
+    ("norm", ("group_norm", "groupnorm", "layer_norm", "layernorm", "gn_silu", "rowwise_moments", "batch_norm")),
+    ("fused (triton)", ("triton_", "geglu", "_kernel")),
+    ("elementwise", ("elementwise", "vectorized", "unrolled", "reduce", "cat", "fill", "index")),
+)
+
+
+def category(kernel: str) -> str:
+    name = kernel.lower()
+    for cat, keys in CATEGORIES:
+        if any(k in name for k in keys):
+            return cat
+    return "other"
+
+
+def kernel_profile(fn, iters: int) -> tuple[dict[str, float], list[tuple[str, float]]]:
+    """GPU milliseconds per call of `fn` by category, and the heaviest kernels."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            fn()
+        torch.cuda.synchronize()
+    by_cat: dict[str, float] = defaultdict(float)
+    kernels = []
+    for evt in prof.key_averages():
+        if evt.device_type != DeviceType.CUDA:
+            continue
+        ms = evt.self_device_time_total / 1000 / iters
+        by_cat[category(evt.key)] += ms
+        kernels.append((evt.key[:160], ms))
+    kernels.sort(key=lambda k: -k[1])
+    return dict(sorted(by_cat.items(), key=lambda kv: -kv[1])), kernels[:25]
+
+
+def main() -> None:
+    p = bench_parser(__doc__, size=1024, steps=0)
+    p.add_argument("--rows", type=int, default=2)
+    p.add_argument("--kinds", default="graphs+fused,compiled",
+                   help="eager, graphs or compiled, each optionally +cl (channels_last), +fused, +cudnn (attention)")
+    p.add_argument("--iters", type=int, default=10)
+    args = p.parse_args()
+    start_logging()
+
+    import torch
+
+    from backends.core.engine.builder import template_batch
+    from backends.core.runtime.artifacts import load_unet_halves
+    from backends.core.runtime.config import RuntimeConfig
+    from backends.core.runtime.placement import Placement
+    from backends.core.runtime.torch_eager import EagerUNetRuntime
+    from backends.core.runtime.torch_fast import FastUNetRuntime, _resized
+    from export.repository import ExportOptions, export_repository
+
+    repo = args.work / "repo"
+    if not (repo / "denoiser_gpu0").exists():
+        export_repository(random_sdxl(args.work), repo, ExportOptions(device="cuda", dtype="fp16", gpus=(0,)))
+    folder = repo / "denoiser_gpu0" / "1"
+    where = Placement("cuda:0", "fp16")
+    latent = args.size // 8
+    report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "size": args.size, "rows": args.rows,
+              "variants": {}}
+    for name in args.kinds.split(","):
+        kind, *options = name.split("+")
+        # +cudnn: SDPA may not pick flash or memory-efficient attention, so cuDNN's (Hopper) serves it.
+        torch.backends.cuda.enable_flash_sdp("cudnn" not in options)
+        torch.backends.cuda.enable_mem_efficient_sdp("cudnn" not in options)
+        eager = EagerUNetRuntime(*load_unet_halves(folder, where))
+        template = template_batch(eager.weights_module, torch.device("cuda:0"), torch.float16)
+        batch = _resized(template, args.rows, latent, latent)
+        entry = report["variants"][name] = {}
+        if kind == "eager":
+            runtime, enc_fn, dec_fn = eager, eager.encoder, eager.decoder
+            if set(options) - {"cudnn"}:
+                raise SystemExit(f"{name}: +cl and +fused apply to graphs and compiled only")
+        else:
+            runtime = FastUNetRuntime(eager, RuntimeConfig(kind=kind, row_buckets=(args.rows,),
+                                                           channels_last="cl" in options,
+                                                           fused_kernels="fused" in options),
+                                      cache_root=args.work / "cache")
+            start = time.perf_counter()
+            runtime.warmup(template, [(latent, latent)])
+            entry["warmup_s"] = time.perf_counter() - start
+            enc_fn, dec_fn = runtime.enc_fn, runtime.dec_fn
+            if "cl" in options:
+                batch.sample = batch.sample.contiguous(memory_format=torch.channels_last)
+        with torch.inference_mode():
+            step = gpu_ms(lambda: runtime.decode(batch, runtime.encode(batch), None), args.iters)
+
+            def unreplayed():
+                emb, mid, skips = enc_fn(batch.sample, batch.timestep, batch.text, batch.pooled, batch.time_ids)
+                return dec_fn(emb, mid, skips, batch.text, None, None)
+
+            by_cat, kernels = kernel_profile(unreplayed, 3)
+        total = sum(by_cat.values())
+        entry.update(step_ms=statistics.median(step), step_ms_all=step, kernel_ms=total, by_category_ms=by_cat,
+                     top_kernels=kernels)
+        log.info("%s: step %.2f ms (replayed), kernels %.2f ms: %s", name, entry["step_ms"], total,
+                 ", ".join(f"{c} {ms:.2f} ({100 * ms / total:.0f}%)" for c, ms in by_cat.items()))
+        for k, ms in kernels[:12]:
+            log.info("    %.3f ms  %s", ms, k)
+        del runtime, eager, enc_fn, dec_fn
+        torch.cuda.empty_cache()
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(json.dumps(report, indent=2))  # after each variant: a later one may not finish
+    log.info("wrote %s", args.out)
+
+
+if __name__ == "__main__":
+    main()
