@@ -83,7 +83,8 @@ def parser() -> argparse.ArgumentParser:
                      help="UNet row counts captured as graphs, e.g. 2,4,8,16 (a step with guidance takes 2 a request)")
     exp.add_argument("--warmup-sizes", type=_positive_ints("--warmup-sizes"), default=(),
                      help="square image sizes (px) whose graphs are captured (and compiled) before ready, e.g. 1024")
-    exp.add_argument("--channels-last", action="store_true", help="UNet in channels_last memory format")
+    exp.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
+                     help="UNet in channels_last memory format (default: with --runtime compiled, where it pays)")
     exp.add_argument("--fused-kernels", action="store_true", help="plugins/: fused GroupNorm+SiLU and GEGLU kernels")
     prof = sub.add_parser("profile-lora", help="measure each LoRA's bound K (steps it may join late) for a repository")
     prof.add_argument("--repo", required=True, help="a model repository exported with --adapters")

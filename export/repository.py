@@ -62,7 +62,7 @@ class ExportOptions:
     # Image sizes (square, px) whose buckets are captured (compiled) at load; default for a fast
     # runtime: the model's own size.
     warmup_sizes: tuple[int, ...] = ()
-    channels_last: bool = False
+    channels_last: bool | None = None  # None: where it pays (RuntimeConfig.channels_last)
     fused_kernels: bool = False
 
     def __post_init__(self):

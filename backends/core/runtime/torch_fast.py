@@ -81,7 +81,7 @@ class FastUNetRuntime:
             from plugins import use_fused_kernels
 
             log.info("fused kernels: %s", use_fused_kernels(self.weights_module))
-        if config.channels_last:
+        if config.uses_channels_last:
             self.weights_module.to(memory_format=torch.channels_last)
         self.enc_fn, self.dec_fn = eager.encoder, eager.decoder
         if config.kind == "compiled":
@@ -184,7 +184,7 @@ class FastUNetRuntime:
 
     def _capture(self, batch: StepBatch, rows: int) -> _Bucket:
         start = time.perf_counter()
-        bucket = _Bucket(batch, rows, self.config.channels_last)
+        bucket = _Bucket(batch, rows, self.config.uses_channels_last)
         bucket.load(batch)
         args = (bucket.sample, bucket.timestep, bucket.text, bucket.pooled, bucket.time_ids)
         bucket.encoder, bucket.enc_out = _graphed(self.enc_fn, args, self.pool, self.caps.compiled)
