@@ -17,20 +17,22 @@ import logging
 import statistics
 import time
 from collections import defaultdict
+from pathlib import Path
 
 from bench.common import bench_parser, random_sdxl, start_logging
 from bench.runtime_micro import gpu_ms
 
 log = logging.getLogger("bench.step_profile")
 
-# First match wins: order matters (cuDNN's convolution kernels also say "xmma", GEMMs "cutlass").
+# First match wins: order matters. inductor names its kernels after the ops they fuse
+# ("triton_poi_fused_add_convolution_..."), cuDNN's convolutions also say "xmma", GEMMs "cutlass".
 CATEGORIES = (
+    ("fused (triton)", ("triton_", "_geglu", "_partial_stats", "_apply")),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("layout", ("nchwtonhwc", "nhwctonchw", "transpose", "copy_kernel", "permute")),
     ("conv", ("conv", "fprop", "implicit_gemm", "winograd", "dgrad")),
     ("gemm", ("gemm", "nvjet", "cutlass", "cublas", "splitk", "xmma")),
     ("norm", ("group_norm", "groupnorm", "layer_norm", "layernorm", "gn_silu", "rowwise_moments", "batch_norm")),
-    ("fused (triton)", ("triton_", "geglu", "_kernel")),
     ("elementwise", ("elementwise", "vectorized", "unrolled", "reduce", "cat", "fill", "index")),
 )
 
@@ -43,8 +45,8 @@ def category(kernel: str) -> str:
     return "other"
 
 
-def kernel_profile(fn, iters: int) -> tuple[dict[str, float], list[tuple[str, float]]]:
-    """GPU milliseconds per call of `fn` by category, and the heaviest kernels."""
+def kernel_profile(fn, iters: int) -> tuple[dict[str, float], list[tuple[str, float]], int]:
+    """GPU milliseconds per call of `fn` by category, every kernel (heaviest first), kernels per call."""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
@@ -57,21 +59,57 @@ def kernel_profile(fn, iters: int) -> tuple[dict[str, float], list[tuple[str, fl
         torch.cuda.synchronize()
     by_cat: dict[str, float] = defaultdict(float)
     kernels = []
+    launches = 0
     for evt in prof.key_averages():
         if evt.device_type != DeviceType.CUDA:
             continue
+        launches += evt.count
         ms = evt.self_device_time_total / 1000 / iters
         by_cat[category(evt.key)] += ms
         kernels.append((evt.key[:160], ms))
     kernels.sort(key=lambda k: -k[1])
-    return dict(sorted(by_cat.items(), key=lambda kv: -kv[1])), kernels[:25]
+    return dict(sorted(by_cat.items(), key=lambda kv: -kv[1])), kernels, launches // iters
+
+
+def plot(report_path: Path) -> Path:
+    """A stacked bar per variant: each category's kernel time, and the gaps between kernels up to
+    the replayed step's time. Written beside the JSON as <name>.png."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    report = json.loads(report_path.read_text())
+    variants = report["variants"]
+    cats = [c for c, _ in CATEGORIES] + ["other"]
+    fig, ax = plt.subplots(figsize=(9, 0.6 * len(variants) + 2))
+    colors = plt.get_cmap("tab10")
+    for y, (name, v) in enumerate(variants.items()):
+        left = 0.0
+        parts = [(c, v["by_category_ms"].get(c, 0.0)) for c in cats]
+        parts.append(("between kernels", max(0.0, v["step_ms"] - v["kernel_ms"])))
+        for i, (cat, ms) in enumerate(parts):
+            ax.barh(y, ms, left=left, color=colors(i) if cat != "between kernels" else "lightgrey",
+                    label=cat if y == 0 else None)
+            left += ms
+        ax.text(left + 0.3, y, f"{v['step_ms']:.1f} ms", va="center")
+    ax.set_yticks(range(len(variants)), list(variants))
+    ax.invert_yaxis()
+    ax.set_xlabel("GPU time of one UNet step (ms)")
+    ax.set_title(f"Where a step goes: SDXL UNet, {report['size']} px, {report['rows']} rows, fp16, {report['gpu']}")
+    ax.legend(loc="lower right", fontsize="small")
+    fig.tight_layout()
+    png = report_path.with_suffix(".png")
+    fig.savefig(png, dpi=120)
+    plt.close(fig)
+    return png
 
 
 def main() -> None:
     p = bench_parser(__doc__, size=1024, steps=0)
     p.add_argument("--rows", type=int, default=2)
     p.add_argument("--kinds", default="graphs+fused,compiled",
-                   help="eager, graphs or compiled, each optionally +cl (channels_last), +fused, +cudnn (attention)")
+                   help="eager, graphs or compiled, each optionally +cl (channels_last), +fused, +cudnn (attention), +static (compiled for the one row count)")
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
     start_logging()
@@ -110,7 +148,8 @@ def main() -> None:
         else:
             runtime = FastUNetRuntime(eager, RuntimeConfig(kind=kind, row_buckets=(args.rows,),
                                                            channels_last="cl" in options,
-                                                           fused_kernels="fused" in options),
+                                                           fused_kernels="fused" in options,
+                                                           dynamic_rows="static" not in options),
                                       cache_root=args.work / "cache")
             start = time.perf_counter()
             runtime.warmup(template, [(latent, latent)])
@@ -125,11 +164,14 @@ def main() -> None:
                 emb, mid, skips = enc_fn(batch.sample, batch.timestep, batch.text, batch.pooled, batch.time_ids)
                 return dec_fn(emb, mid, skips, batch.text, None, None)
 
-            by_cat, kernels = kernel_profile(unreplayed, 3)
+            by_cat, kernels, launches = kernel_profile(unreplayed, 3)
         total = sum(by_cat.values())
+        # The replayed step less its kernels' own time: what the GPU spends between kernels.
+        gap_us = 1000 * (statistics.median(step) - total) / launches
         entry.update(step_ms=statistics.median(step), step_ms_all=step, kernel_ms=total, by_category_ms=by_cat,
-                     top_kernels=kernels)
-        log.info("%s: step %.2f ms (replayed), kernels %.2f ms: %s", name, entry["step_ms"], total,
+                     kernels=launches, gap_us_per_kernel=gap_us, kernel_ms_by_name=kernels)
+        log.info("%s: step %.2f ms (replayed), %d kernels %.2f ms (%.2f us between kernels): %s", name,
+                 entry["step_ms"], launches, total, gap_us,
                  ", ".join(f"{c} {ms:.2f} ({100 * ms / total:.0f}%)" for c, ms in by_cat.items()))
         for k, ms in kernels[:12]:
             log.info("    %.3f ms  %s", ms, k)
@@ -137,7 +179,7 @@ def main() -> None:
         torch.cuda.empty_cache()
         args.out.parent.mkdir(parents=True, exist_ok=True)
         args.out.write_text(json.dumps(report, indent=2))  # after each variant: a later one may not finish
-    log.info("wrote %s", args.out)
+    log.info("wrote %s and %s", args.out, plot(args.out))
 
 
 if __name__ == "__main__":
