@@ -107,7 +107,7 @@ def main() -> None:
         if name == "fp8":
             report["fp8_linears"] = use_fp8(eager.weights_module)
         runtime = FastUNetRuntime(eager, RuntimeConfig(kind="compiled", row_buckets=(2,)),
-                                  cache_root=args.work / f"cache-{name}")
+                                  cache_root=args.work / "cache")  # bench/step_profile.py's: fp16 compiled once
         template = template_batch(eager.weights_module, torch.device("cuda:0"), torch.float16)
         start = time.perf_counter()
         runtime.warmup(template, [(latent, latent)])
