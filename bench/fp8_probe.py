@@ -44,7 +44,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         x_scale = rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / E4M3_MAX  # [M, 1]
-        x8 = (rows.float() / x_scale).to(torch.float8_e4m3fn)
+        x8 = (rows.float() / x_scale).to(torch.float8_e4m3fn).contiguous()
         # Row-wise scaled products write bf16 (CUTLASS's kernel); the cast and bias fuse under compile.
         y = torch._scaled_mm(x8, self.w8.t(), scale_a=x_scale, scale_b=self.w_scale, out_dtype=torch.bfloat16)
         y = y.to(x.dtype)

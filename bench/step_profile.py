@@ -109,7 +109,7 @@ def main() -> None:
     p = bench_parser(__doc__, size=1024, steps=0)
     p.add_argument("--rows", type=int, default=2)
     p.add_argument("--kinds", default="graphs+fused,compiled",
-                   help="eager, graphs or compiled, each optionally +cl (channels_last), +fused, +cudnn (attention), +static (compiled for the one row count)")
+                   help="eager, graphs or compiled, each optionally +cl (channels_last), +fused, +cudnn (attention)")
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
     start_logging()
@@ -148,8 +148,7 @@ def main() -> None:
         else:
             runtime = FastUNetRuntime(eager, RuntimeConfig(kind=kind, row_buckets=(args.rows,),
                                                            channels_last="cl" in options,
-                                                           fused_kernels="fused" in options,
-                                                           dynamic_rows="static" not in options),
+                                                           fused_kernels="fused" in options),
                                       cache_root=args.work / "cache")
             start = time.perf_counter()
             runtime.warmup(template, [(latent, latent)])
