@@ -9,8 +9,12 @@ STAMP := $(VENV)/.installed
 PERF := $(VENV)/.perf-launcher
 DEMO := demo/tiny
 REPO := model_repository
+AIPERF_VENV := .venv-aiperf
+AIPERF_STAMP := $(AIPERF_VENV)/.installed
+# `make serve OPENAI_PORT=8080` also serves the OpenAI images API on that port (easel openai).
+OPENAI_PORT ?=
 
-.PHONY: setup system-deps serve demo test clean
+.PHONY: setup system-deps serve demo test clean aiperf bench-plots
 
 setup: $(STAMP) $(PERF)
 
@@ -39,10 +43,23 @@ demo: $(DEMO)/model_index.json
 	$(EASEL) export --model $(DEMO) --out $(REPO) --adapters $(DEMO)/adapters
 
 serve: demo
-	$(EASEL) serve --repo $(REPO)
+	$(EASEL) serve --repo $(REPO)$(if $(OPENAI_PORT), --openai-port $(OPENAI_PORT))
 
-test: setup
+# aiperf (NVIDIA's benchmark client; the tests drive its image-generation endpoint type) in a venv
+# of its own: its dependencies would move huggingface_hub, numpy and pillow off the project's pins.
+$(AIPERF_STAMP): requirements-aiperf.txt
+	$(PYTHON) -m venv $(AIPERF_VENV)
+	$(AIPERF_VENV)/bin/python -m pip install -q -r requirements-aiperf.txt
+	touch $(AIPERF_STAMP)
+
+aiperf: $(AIPERF_STAMP)
+
+test: setup aiperf
 	$(PY) -m pytest -q
 
+# The plots of every committed benchmark result folder, redrawn from its JSON.
+bench-plots: $(STAMP)
+	$(PY) -m bench.bench_report bench/results/*/
+
 clean:
-	rm -rf $(VENV) demo build
+	rm -rf $(VENV) $(AIPERF_VENV) demo build

@@ -1,12 +1,19 @@
 """The denoiser's Prometheus metrics on Triton's metrics port (backends/easel_denoiser/model.py
-updates them): what became of its requests, LoRA loading and merging, ControlNet calls, and how
-the UNet runtime spends its steps."""
+updates them): what became of its requests, its queue and steps, LoRA loading and merging,
+ControlNet calls, and how the UNet runtime spends its steps."""
 
 from __future__ import annotations
 
+import logging
+import threading
+import time
+
 import triton_python_backend_utils as pb_utils
 
+from backends.core.engine.step_stats import LoopStats
 from backends.triton_adapter import Metrics
+
+log = logging.getLogger("backends.easel_denoiser")
 
 OUTCOMES = ("finished", "cancelled", "invalid", "not_found", "refused", "failed")
 
@@ -101,3 +108,90 @@ class RuntimeMetrics:
         self.metrics.set_total("graph", stats.graph_steps)
         self.metrics.set_total("eager", stats.eager_steps)
         self.metrics.set_total("captures", stats.captures)
+
+
+# Histogram buckets (upper bounds; Prometheus adds +Inf). Step parts range from a sampler update's
+# fraction of a millisecond to a UNet half's seconds on a busy CPU.
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+ROW_BUCKETS = (1, 2, 4, 6, 8, 12, 16, 24, 32, 48, 64)  # a request with guidance takes 2 rows
+FIRST_STEP_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
+PARTS = ("encoder", "decoder", "sampler", "orchestration")
+
+
+class StepMetrics:
+    """The loop's queue and steps (backends/core/engine/step_stats.py) as Prometheus gauges and
+    histograms (Triton 2.51's Python backend has `MetricFamily.HISTOGRAM`: `_bucket`, `_sum`,
+    `_count` series), updated by a thread of its own every PERIOD_S: each metric update is a
+    round trip to the Triton process (about 30 us on the test host, 5 to 6 per step), kept off the
+    loop and off the sender's responses.
+
+    easel_denoiser_queue_depth: admitted requests waiting to join the running batch.
+    easel_denoiser_running: requests in the running batch.
+    easel_denoiser_step_rows: UNet rows in each step's batch.
+    easel_denoiser_step_seconds{part}: each step's wall time in four parts (encoder half, decoder
+      half, sampler, orchestration: the rest); GPU time from CUDA events on a GPU.
+    easel_denoiser_time_to_first_step_seconds: from the denoiser's admission of a request to the
+      end of its first step."""
+
+    PERIOD_S = 0.5
+
+    def __init__(self, args, stats: LoopStats):
+        self.stats = stats
+        labels = {"model": args["model_name"]}
+        self.gauges = Metrics(labels, {
+            "queued": ("easel_denoiser_queue_depth", "admitted requests waiting to join the running batch", "gauge"),
+            "running": ("easel_denoiser_running", "requests in the running batch", "gauge"),
+        })
+        # The families must outlive their metrics (Triton drops a metric whose family is gone).
+        self.families = [pb_utils.MetricFamily(name=name, description=desc, kind=pb_utils.MetricFamily.HISTOGRAM)
+                         for name, desc in (
+                             ("easel_denoiser_step_rows", "UNet rows in a step's batch"),
+                             ("easel_denoiser_step_seconds",
+                              "a step's wall time by part: encoder half, decoder half, sampler, orchestration "
+                              "(GPU time on a GPU)"),
+                             ("easel_denoiser_time_to_first_step_seconds",
+                              "from the denoiser's admission of a request to the end of its first step"))]
+        rows, seconds, first = self.families
+        self.rows = rows.Metric(labels=labels, buckets=list(map(float, ROW_BUCKETS)))
+        self.seconds = [seconds.Metric(labels={**labels, "part": part}, buckets=list(STEP_BUCKETS)) for part in PARTS]
+        self.first_step = first.Metric(labels=labels, buckets=list(FIRST_STEP_BUCKETS))
+        self._dropped = 0
+        self._gauges = (0, 0)  # (queued, running) as last set
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="easel-denoise-metrics", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.PERIOD_S):
+            try:
+                self.flush()
+            except Exception:  # metrics never take the denoiser down
+                log.exception("denoiser step metrics: update failed")
+
+    def flush(self) -> None:
+        start = time.perf_counter()
+        records = self.stats.take()
+        for r in records:
+            self.rows.observe(r.rows)
+            for metric, value in zip(self.seconds, (r.encoder_s, r.decoder_s, r.sampler_s, r.orchestration_s)):
+                metric.observe(value)
+            for value in r.first_step_s:
+                self.first_step.observe(value)
+        # Only what changed, so an idle denoiser makes no calls: with a call every period, one was
+        # in flight when tritonserver was killed and its stub did not exit (test_lifecycle.py).
+        gauges = (self.stats.queued, self.stats.running)
+        for key, value, last in zip(("queued", "running"), gauges, self._gauges):
+            if value != last:
+                self.gauges.set(key, value)
+        self._gauges = gauges
+        if self.stats.dropped != self._dropped:
+            log.warning("denoiser step metrics: %d step records dropped (this thread fell behind)",
+                        self.stats.dropped - self._dropped)
+            self._dropped = self.stats.dropped
+        if records:
+            log.debug("denoiser step metrics: %d steps in %.2f ms", len(records), (time.perf_counter() - start) * 1e3)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=10)
+        self.flush()

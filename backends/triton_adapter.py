@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import logging
+import time
 from pathlib import Path
 from typing import Any
 
@@ -113,6 +114,28 @@ def params_tensor(params: GenerateParams):
     return pb_utils.Tensor("params", np.array([params.to_json()], dtype=np.object_))
 
 
+def remaining_us(timeout_us: int, params: GenerateParams, what: str) -> int:
+    """What is left of the client's deadline, in microseconds (0: none), for the denoiser.
+
+    Why a deadline and not Triton's cancellation: in Triton 2.51 a client's cancel (gRPC cancel()
+    or its deadline) marks the ensemble's request only; the step requests already running
+    (generate's) never see request.is_cancelled() turn true, and a BLS request cannot be cancelled
+    at all (no cancel() on its response iterator before 24.11): measured, the denoiser kept
+    stepping. The request's `timeout` (the protocol's timeout parameter, in microseconds; Easel's
+    client sends its deadline there) does reach every step. So the denoiser gets what remains of
+    it and drops the request at the first step boundary past it (backends/core/engine/loop.py).
+    (easel_stream, a top-level model, also sees its client's cancel: it tells the denoiser.)
+    `timeout_us`: the request's timeout(), the client's whole deadline."""
+    if not timeout_us:
+        return 0
+    received = params.trace.get("received_at")  # preprocess's clock: when the request began
+    elapsed = max(0.0, time.time() - received) if isinstance(received, (int, float)) else 0.0
+    remaining = timeout_us - int(elapsed * 1e6)
+    if remaining <= 0:
+        raise Cancelled(f"{what}: the request's deadline ({timeout_us / 1e6:.3g} s) passed before denoising")
+    return remaining
+
+
 # Triton 2.51 hands a decoupled model's error responses to its BLS caller with code INTERNAL
 # whatever code they were sent with (seen: the denoiser sent INVALID_ARG, generate got INTERNAL).
 # So our decoupled models also mark the code in the message, and the caller restores the code
@@ -120,6 +143,19 @@ def params_tensor(params: GenerateParams):
 MARKS = {"[invalid input] ": "INVALID_ARG", "[not found] ": "NOT_FOUND", "[unavailable] ": "UNAVAILABLE",
          "[cancelled] ": "CANCELLED"}  # (pb_utils' codes exist only once the stub runs a model: by name)
 INVALID_MARK = "[invalid input] "
+# Any model's errors reach a BLS caller as INTERNAL in 2.51, a plain model's too (seen: preprocess's
+# INVALID_ARG reached easel_stream as INTERNAL). A BLS caller that passes on statuses (easel_stream)
+# sends this request parameter, and the model marks its errors for it; the ensemble, whose steps
+# keep their codes, and clients never see a mark.
+MARKS_PARAMETER = "easel_marks"
+
+
+def wants_marks(request) -> bool:
+    """Whether the request's caller asked for marked errors (MARKS_PARAMETER)."""
+    try:
+        return bool(json.loads(request.parameters() or "{}").get(MARKS_PARAMETER))
+    except (ValueError, AttributeError):
+        return False
 
 
 class ForwardedError(RuntimeError):
@@ -206,7 +242,7 @@ def each_request(requests, handle, what: str, marked: bool = False) -> list:
         try:
             responses.append(pb_utils.InferenceResponse(handle(request)))
         except Exception as exc:
-            responses.append(failure(exc, what, log, marked))
+            responses.append(failure(exc, what, log, marked or wants_marks(request)))
     return responses
 
 

@@ -236,6 +236,11 @@ def plot(results_json_path: str | Path) -> list[Path]:
     configs = results.get("configs", [])
     colors = {"easel": "#1f77b4", "diffusers_eager": "#ff7f0e", "diffusers_compiled": "#2ca02c"}
     written = []
+    # Where and how it was measured, in each title: a plot travels without its table.
+    dtypes = sorted({e.get("dtype") for e in configs if e.get("dtype")})
+    gpus = max([len(e.get("gpus") or [0]) for e in configs] + [1])
+    setting = ", ".join([f"{results.get('gpu') or '?'}" + (f" x{gpus}" if gpus > 1 else ""), *dtypes,
+                         str(results.get("date") or "")[:10]])
 
     fig, ax = plt.subplots(figsize=(max(6.5, 2.4 * len(configs) + 2.5), 4.8))
     width = 0.27
@@ -246,7 +251,7 @@ def plot(results_json_path: str | Path) -> list[Path]:
         for i, e in enumerate(configs):
             x, p50, p95 = i + (j - 1) * width, e.get(f"{system}_p50_s"), e.get(f"{system}_p95_s")
             if p50 is None:
-                ax.text(x, 0.02 * top, "n/a", ha="center", va="bottom", fontsize=8, color=colors[system])
+                ax.text(x, 0.02 * top, "not run", ha="center", va="bottom", fontsize=8, color=colors[system])
                 continue
             xs.append(x)
             p50s.append(p50)
@@ -260,8 +265,11 @@ def plot(results_json_path: str | Path) -> list[Path]:
     ax.set_xticks(range(len(configs)))
     ax.set_xticklabels([f"{e['name']}\n{e['size']} px, {e['steps']} steps\nEasel {e.get('easel_runtime') or '?'}"
                         for e in configs])
-    ax.set_ylabel("seconds per image (bar: p50; whisker: p95)")
-    ax.set_title(f"Latency, one request at a time: {results.get('gpu')}")
+    runs = sorted({e.get("runs") for e in configs if e.get("runs")})
+    ax.set_ylabel("seconds per image, lower is better\n"
+                  f"(bar: p50{' of ' + '-'.join(map(str, runs[::max(1, len(runs) - 1)])) + ' runs' if runs else ''}; "
+                  "whisker: p95)")
+    ax.set_title(f"Latency, one request at a time: {setting}")
     ax.grid(axis="y", alpha=0.3)
     ax.legend(handles=handles, loc="upper center", ncol=3, fontsize=9)
     fig.tight_layout()
@@ -269,7 +277,9 @@ def plot(results_json_path: str | Path) -> list[Path]:
     fig.savefig(written[-1], dpi=120)
     plt.close(fig)
 
-    fig, axes = plt.subplots(1, max(1, len(configs)), figsize=(5.0 * max(1, len(configs)), 4.2), squeeze=False)
+    # One y scale for all panels, so that runtimes compare by eye.
+    fig, axes = plt.subplots(1, max(1, len(configs)), figsize=(max(7.0, 5.2 * len(configs)), 4.6), squeeze=False,
+                             sharey=True)
     for ax, e in zip(axes[0], configs):
         rows = e.get("throughput_img_s") or {}
         levels = sorted(int(c) for c in rows)
@@ -280,13 +290,13 @@ def plot(results_json_path: str | Path) -> list[Path]:
                         label=LABELS[system])
         ax.set_xticks(levels)
         ax.set_xlabel("concurrent requests (diffusers: batch size)")
-        ax.set_ylabel("images / s")
         ax.set_title(f"{e['name']}, {e['size']} px, {e.get('throughput_steps', '?')} steps, "
                      f"Easel {e.get('easel_runtime') or e.get('runtime') or '?'}", fontsize=11)
         ax.set_ylim(bottom=0)
         ax.grid(alpha=0.3)
-        ax.legend(fontsize=9)
-    fig.suptitle(f"Throughput: {results.get('gpu')}")
+        ax.legend(fontsize=9, loc="lower right")
+    axes[0][0].set_ylabel("images per second, higher is better")
+    fig.suptitle(f"Throughput against concurrency: {setting}")
     fig.tight_layout()
     written.append(path.parent / "throughput.png")
     fig.savefig(written[-1], dpi=120)
@@ -309,6 +319,26 @@ def write_report(results: dict, out: Path, final: bool = False) -> None:
             log.warning("no plots (%s); rerun with --replot %s where matplotlib is installed", exc, out)
 
 
+def main(argv: list[str] | None = None) -> int:
+    """`python -m bench.bench_report DIR...` (`make bench-plots`): redraw the plots of each result
+    folder from its results.json, and nothing else (the committed tables stay as they are)."""
+    import argparse
+
+    from bench.common import start_logging
+
+    parser = argparse.ArgumentParser(prog="python -m bench.bench_report", description=main.__doc__)
+    parser.add_argument("folders", nargs="+", type=Path, help="bench/results/<date>-<gpu>/ folders")
+    args = parser.parse_args(argv)
+    start_logging()
+    for folder in args.folders:
+        if not (folder / "results.json").is_file():
+            log.info("%s: no results.json, nothing to plot", folder)
+            continue
+        for path in plot(folder / "results.json"):
+            log.info("wrote %s", path)
+    return 0
+
+
 def load_results(out: Path) -> dict:
     path = out / "results.json"
     if path.is_file():
@@ -316,3 +346,7 @@ def load_results(out: Path) -> dict:
         log.info("merging into %s (configurations: %s)", path, [e.get("name") for e in results.get("configs", [])])
         return results
     return {"configs": []}
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -70,18 +70,26 @@ def build_parser() -> argparse.ArgumentParser:
                         "shared memory, logging, tracing, model repository, statistics) to "
                         "requests with header easel-admin-key; or set EASEL_ADMIN_KEY. "
                         "Without either they stay closed")
+    s.add_argument("--openai-port", type=int, metavar="PORT",
+                   help="also serve the OpenAI images API (easel openai) on PORT, started once "
+                        "the server is ready and stopped after its drain; foreground only")
 
     g = sub.add_parser(
         "generate", help="generate one image from a prompt",
-        description="Send one text-to-image request to the `easel` model and write the image "
-                    "(PNG, JPEG or WebP). Options left out use the deployment's defaults.")
+        description="Send one text-to-image request and write the image (PNG, JPEG or WebP), "
+                    "with a progress bar of its denoising steps: over gRPC (the default) through "
+                    "the streaming model `easel_stream`, else (HTTP, --no-stream, a repository "
+                    "without it) through the unary `easel`. Options left out use the "
+                    "deployment's defaults.")
     g.add_argument("prompt", help="text prompt")
     g.add_argument("-o", "--output", required=True, type=Path, help="where to write the image")
     g.add_argument("--negative", metavar="TEXT", help="negative prompt")
     g.add_argument("--url", metavar="HOST:PORT",
-                   help="server address (default: localhost:8000 for http, localhost:8001 for grpc)")
-    g.add_argument("--protocol", choices=("http", "grpc"), default="http",
-                   help="default: %(default)s")
+                   help="server address (default: localhost:8001 for grpc, localhost:8000 for http)")
+    g.add_argument("--protocol", choices=("http", "grpc"), default="grpc",
+                   help="default: %(default)s (only gRPC streams progress)")
+    g.add_argument("--no-stream", action="store_true",
+                   help="send to the unary model even where easel_stream is there (a spinner, no steps)")
     g.add_argument("--model", default="easel", help="model name (default: %(default)s)")
     g.add_argument("--size", type=parse_size, metavar="WxH", help="image size, e.g. 1024x1024")
     g.add_argument("--steps", type=int, help="denoising steps")
@@ -164,6 +172,41 @@ class Spinner:
             self.stream.flush()
 
 
+class ProgressBar:
+    """The denoising steps of a streamed request on stderr: redrawn in place on a terminal, one
+    line per step elsewhere (a log shows how the request went)."""
+
+    WIDTH = 30
+
+    def __init__(self, label: str, stream=None):
+        self.label = label
+        self.stream = stream or sys.stderr
+        self.tty = self.stream.isatty()
+        self.start_time = 0.0
+        self.drawn = False
+
+    @property
+    def elapsed(self) -> float:
+        return time.monotonic() - self.start_time
+
+    def __enter__(self) -> "ProgressBar":
+        self.start_time = time.monotonic()
+        print(f"{self.label}...", file=self.stream, flush=True)
+        return self
+
+    def update(self, step: int, steps: int) -> None:
+        filled = self.WIDTH * step // max(steps, 1)
+        line = f"[{'#' * filled}{'.' * (self.WIDTH - filled)}] {step}/{steps} steps {self.elapsed:5.1f}s"
+        self.stream.write(f"\r{line}\033[K" if self.tty else line + "\n")
+        self.stream.flush()
+        self.drawn = True
+
+    def __exit__(self, *exc) -> None:
+        if self.tty and self.drawn:
+            self.stream.write("\n")
+            self.stream.flush()
+
+
 def _seconds(value) -> str:
     return f"{value:.2f}s" if isinstance(value, (int, float)) else "?"
 
@@ -198,7 +241,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
         return serve(args.repo, args.http_port, args.grpc_port, args.metrics_port,
                      args.log_verbose, foreground=not args.detach,
                      timeout=args.timeout, pid_file=args.pid_file,
-                     drain_timeout=args.drain_timeout, admin_key=admin_key)
+                     drain_timeout=args.drain_timeout, admin_key=admin_key,
+                     openai_port=args.openai_port)
     except (FileNotFoundError, ValueError) as e:
         print(f"easel serve: {e}", file=sys.stderr)
         return 1
@@ -269,16 +313,41 @@ def cmd_generate(args: argparse.Namespace) -> int:
         print(f"easel generate: note: writing {output_format(args)} into {args.output}", file=sys.stderr)
     try:
         with EaselClient(args.url, args.protocol, args.model) as client:
-            with Spinner(f"generating on {client.url} ({args.protocol})") as spin:
-                result = client.generate(**generate_kwargs(args))
+            if args.model == "easel" and not args.no_stream and client.can_stream():
+                result, elapsed = _generate_streaming(client, args)
+            else:
+                with Spinner(f"generating on {client.url} ({args.protocol})") as spin:
+                    result = client.generate(**generate_kwargs(args))
+                elapsed = spin.elapsed
     except EaselError as e:
         print(f"easel generate: server error: {e}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:  # a stream was cancelled on the server too (see _generate_streaming)
+        print("\neasel generate: cancelled", file=sys.stderr)
+        return 130
     args.output.parent.mkdir(parents=True, exist_ok=True)
     result.save(args.output)
     print(f"wrote {args.output} ({len(result.png) / 1024:.1f} kB)", file=sys.stderr)
-    print(format_info(result.info, spin.elapsed), file=sys.stderr)
+    print(format_info(result.info, elapsed), file=sys.stderr)
     return 0
+
+
+def _generate_streaming(client, args: argparse.Namespace):
+    """(result, seconds) through easel_stream, drawing each step; Ctrl-C cancels the request on
+    the server too (closing the stream stops its denoising at the next step)."""
+    from contextlib import closing
+
+    from clients.client import EaselError, GenerateRequest, GenerateResult
+
+    kwargs = generate_kwargs(args)
+    timeout_s = kwargs.pop("timeout_s")
+    with ProgressBar(f"generating on {client.url} (grpc, streaming)") as bar:
+        with closing(client.stream(GenerateRequest(**kwargs), timeout_s=timeout_s)) as events:
+            for event in events:
+                if isinstance(event, GenerateResult):
+                    return event, bar.elapsed
+                bar.update(event.step, event.steps)
+    raise EaselError("the stream ended without an image")
 
 
 def forward_to_export(command: str, rest: Sequence[str]) -> int:

@@ -1,17 +1,24 @@
-"""Python client for the public `easel` ensemble (unary text-to-image)."""
+"""Python client for the public models: `easel` (unary text-to-image) and `easel_stream` (the same,
+with a response per denoising step over a gRPC stream)."""
 from __future__ import annotations
 
 import io
 import json
 import logging
+import queue
+import time
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, Iterator
 
 import numpy as np
 
 log = logging.getLogger(__name__)
 
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
+STREAM_MODEL = "easel_stream"
+# Asks Triton (2.47+) to end a gRPC stream with the error's own status (INVALID_ARGUMENT, NOT_FOUND,
+# ...): without it a stream's error is a message with no status at all.
+STREAM_ERROR_HEADER = {"triton_grpc_error": "true"}
 # Diffusion on CPU can take minutes; tritonclient's HTTP default (60 s) would cut it off.
 DEFAULT_TIMEOUT_S = 3600.0
 
@@ -87,6 +94,23 @@ class GenerateResult:
     def save(self, path) -> None:
         with open(path, "wb") as f:
             f.write(self.png)
+
+
+@dataclass(frozen=True)
+class Progress:
+    """One denoising step of a streamed request (`EaselClient.stream`)."""
+
+    step: int  # steps done, 1 to steps
+    steps: int
+    elapsed_s: float  # since the server received the request
+    preview: bytes | None = None  # a PNG at the latent grid's size, every `preview_every` steps
+
+    def image(self):
+        from PIL import Image
+
+        img = Image.open(io.BytesIO(self.preview))
+        img.load()
+        return img
 
 
 def _protocol_module(protocol: str):
@@ -192,6 +216,74 @@ class EaselClient:
             if client is not self._client:
                 client.close()
         return parse_result(result.as_numpy("image"), result.as_numpy("info"))
+
+    def can_stream(self) -> bool:
+        """Whether `stream` can run here: gRPC, and a repository with `easel_stream` (older ones
+        have only `easel`)."""
+        if self.protocol != "grpc":
+            return False
+        try:
+            return bool(self._client.is_model_ready(STREAM_MODEL))
+        except Exception:  # unreachable, or no such model
+            return False
+
+    def stream(self, request: GenerateRequest, preview_every: int | None = None,
+               timeout_s: float | None = None) -> Iterator[Progress | GenerateResult]:
+        """`request` through `easel_stream` over a gRPC stream: a Progress per denoising step, then
+        the GenerateResult. Closing the iterator before its end (a `break`, an exception, Ctrl-C;
+        `contextlib.closing` makes it prompt) cancels the request: the server stops denoising it
+        at its next step. Errors raise EaselError with the status `run` would give."""
+        if self.protocol != "grpc":
+            raise EaselError("streaming needs --protocol grpc (HTTP has no streams in Triton 2.51)")
+        from tritonclient.utils import InferenceServerException
+
+        timeout_s = timeout_s or self.timeout_s
+        inputs = build_inputs(request, "grpc")
+        if preview_every:
+            tensor = self._mod.InferInput("preview_every", [1], "INT32")
+            tensor.set_data_from_numpy(np.array([preview_every], dtype=np.int32))
+            inputs.append(tensor)
+        answers: queue.Queue = queue.Queue()
+        # A client of its own: one stream per client in tritonclient, and streams may run at once.
+        client = self._mod.InferenceServerClient(self.url)
+        finished = False
+        try:
+            client.start_stream(callback=lambda result, error: answers.put((result, error)),
+                                stream_timeout=timeout_s, headers=STREAM_ERROR_HEADER)
+            # The deadline also goes as the request's timeout: the denoiser drops it past that.
+            client.async_stream_infer(STREAM_MODEL, inputs, timeout=int(timeout_s * 1e6))
+            deadline = time.monotonic() + timeout_s
+            while True:
+                try:  # (a grace past the deadline: the stream's own timeout answers first)
+                    result, error = answers.get(timeout=max(0.0, deadline - time.monotonic()) + 5.0)
+                except queue.Empty:
+                    raise EaselError(f"no answer from {self.url} within {timeout_s:.0f} s",
+                                     "StatusCode.DEADLINE_EXCEEDED") from None
+                if error is not None:
+                    finished = True
+                    raise EaselError(error.message() or str(error), error.status())
+                image = result.as_numpy("image")
+                if image is not None:
+                    finished = True
+                    yield parse_result(image, result.as_numpy("info"))
+                    return
+                yield progress_of(result)
+        except InferenceServerException as e:
+            raise EaselError(e.message() or str(e), e.status()) from e
+        finally:
+            client.stop_stream(cancel_requests=not finished)
+            client.close()
+
+
+def progress_of(result) -> Progress:
+    """A progress response of `easel_stream` as a Progress."""
+    def first(name):
+        array = result.as_numpy(name)
+        return None if array is None or array.size == 0 else array.reshape(-1)[0]
+
+    preview = first("preview")
+    return Progress(int(first("step")), int(first("steps")), float(first("elapsed_s")),
+                    bytes(preview) if preview is not None else None)
 
 
 def parse_result(image: np.ndarray | None, info: np.ndarray | None) -> GenerateResult:

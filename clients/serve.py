@@ -45,6 +45,8 @@ RESTRICTED_APIS = ("shared-memory", "logging", "trace", "model-repository")
 # The drain flag: a file whose path the server's environment carries; `preprocess` refuses every
 # request with UNAVAILABLE while it exists (backends/easel_preprocess/model.py).
 DRAIN_FLAG_ENV = "EASEL_DRAIN_FLAG"
+# What marks a model clients call (and the drain switches): `easel` and `easel_stream` (its backend).
+PUBLIC_CONFIG = r'^\s*(platform\s*:\s*"ensemble"|backend\s*:\s*"easel_stream")'
 DRAIN_FLAG_FILE = "draining"
 
 
@@ -382,9 +384,10 @@ class TritonServer:
             return e.code, e.read()
 
     def public_models(self) -> list[str]:
-        """The entry points clients call: the repository's ensembles."""
+        """The entry points clients call: the repository's ensembles and `easel_stream` (a
+        decoupled model that runs the pipeline by BLS, with a spare version like the ensemble's)."""
         return sorted(cfg.parent.name for cfg in Path(self.repo).glob("*/config.pbtxt")
-                      if re.search(r'^\s*platform\s*:\s*"ensemble"', cfg.read_text(errors="replace"), re.M))
+                      if re.search(PUBLIC_CONFIG, cfg.read_text(errors="replace"), re.M))
 
     def drain(self, timeout: float) -> bool:
         """Stop admitting requests, let every admitted one finish; True when none is left.
@@ -393,12 +396,12 @@ class TritonServer:
         later steps of a request in flight (new internal requests) are refused. So, first:
         - the drain flag: from now on `preprocess`, the ensemble's first step, refuses every
           request with UNAVAILABLE / 503 (retry elsewhere), at once;
-        - each public ensemble switches to its spare version (export: `easel` serves version 1
-          and has an identical version 2), loaded with a config override. Triton then unloads
-          the serving version, and keeps it UNLOADING until its last request in flight has
-          finished (the models its steps call stay loaded): that is our signal that the
-          admitted requests are done. New requests meanwhile reach the spare version, whose
-          preprocess refuses them; and the server is not ready (strict readiness counts a
+        - each public model switches to its spare version (export: `easel` and `easel_stream`
+          serve version 1 and have an identical version 2), loaded with a config override.
+          Triton then unloads the serving version, and keeps it UNLOADING until its last request
+          in flight has finished (the models its steps call stay loaded): that is our signal
+          that the admitted requests are done. New requests meanwhile reach the spare version,
+          whose preprocess refuses them; and the server is not ready (strict readiness counts a
           LOADING or UNLOADING model).
         A repository without a spare version (exported before) is unloaded instead, as before:
         new requests then get NOT_FOUND / 404 during the drain. tritonserver is stopped after
@@ -474,17 +477,20 @@ def serve(repo: Path | str, http_port: int = 8000, grpc_port: int = 8001,
           metrics_port: int = 8002, log_verbose: int = 0, foreground: bool = True,
           timeout: float = 300.0, pid_file: Path | str | None = None,
           out: TextIO | None = None, drain_timeout: float = 30.0,
-          admin_key: str | None = None) -> int:
+          admin_key: str | None = None, openai_port: int | None = None) -> int:
     """Run tritonserver on `repo`; returns a process exit code.
 
     foreground: supervise it (clients/supervise.py: restarts on a crash, drains on
-    SIGINT/SIGTERM) and return its exit code. Otherwise return 0 once ready, leaving the
-    server running unsupervised.
+    SIGINT/SIGTERM; with `openai_port`, `easel openai` beside it) and return its exit code.
+    Otherwise return 0 once ready, leaving the server running unsupervised.
     """
     from clients.supervise import ServeOptions, Supervisor, busy_ports
 
+    if openai_port and not foreground:
+        raise ValueError("--openai-port needs the foreground (the API is supervised with the server)")
     options = ServeOptions(Path(repo), http_port, grpc_port, metrics_port, log_verbose,
-                           ready_timeout=timeout, drain_timeout=drain_timeout, admin_key=admin_key)
+                           ready_timeout=timeout, drain_timeout=drain_timeout, admin_key=admin_key,
+                           openai_port=openai_port)
     if foreground:
         return Supervisor(options).run()
     out = out or sys.stdout

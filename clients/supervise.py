@@ -15,14 +15,22 @@ state with it (the running batch, merged LoRAs, resident ControlNets), and the r
 on it (the ensemble's and the BLS callers') hang: Triton has no call that fails them, short of
 stopping the server. SIGKILL fails them at once (clients see UNAVAILABLE), and a fresh start
 has a known state; the price is a full start (the compile cache keeps that short on GPUs).
+
+With `openai_port`, `easel openai` (clients/openai_api.py) runs beside the server as a child
+process, started once the server is ready and stopped after the drain: its requests in flight
+are admitted requests of the server, so they get their answers before it goes. A restart of
+tritonserver leaves it running (its gRPC channel reconnects; meanwhile it answers 503).
 """
 from __future__ import annotations
 
 import logging
 import signal
+import subprocess
 import sys
 import threading
 import time
+import urllib.error
+import urllib.request
 from collections import deque
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -52,6 +60,7 @@ class ServeOptions:
     # model's finalize (stubs exit cleanly and unlink their regions; 5 s was too short on a
     # busy 2-core host).
     exit_timeout: int = 15
+    openai_port: int | None = None  # the OpenAI images API beside the server; None: not started
 
     @property
     def ports(self) -> tuple[int, int, int]:
@@ -59,7 +68,69 @@ class ServeOptions:
 
 
 def busy_ports(options: ServeOptions) -> list[int]:
-    return [p for p in options.ports if p and procs.port_in_use(p)]
+    return [p for p in (*options.ports, options.openai_port) if p and procs.port_in_use(p)]
+
+
+class OpenAIApi:
+    """`easel openai` as a child process, forwarding to the server's gRPC port.
+
+    Its own session: a terminal's Ctrl-C reaches only `easel serve`, which stops the API after
+    the drain (a Ctrl-C straight to the API would drop the answers of admitted requests). It
+    dies with the thread that started it (PR_SET_PDEATHSIG), as tritonserver does. Its log
+    goes to our stderr, beside the server's.
+    """
+
+    def __init__(self, port: int, triton_grpc: str):
+        self.port, self.triton_grpc = port, triton_grpc
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"http://localhost:{self.port}/v1"
+
+    def argv(self) -> list[str]:
+        return [sys.executable, "-m", "clients.cli", "openai", "--triton", self.triton_grpc,
+                "--port", str(self.port)]
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen(self.argv(), stdin=subprocess.DEVNULL, start_new_session=True,
+                                     preexec_fn=procs.child_preexec(die_with_parent=True))
+
+    def exited(self) -> int | None:
+        return None if self.proc is None else self.proc.poll()
+
+    def wait_ready(self, timeout: float, stop: threading.Event) -> str | None:
+        """None once GET /v1/models answers from our process; else why not."""
+        assert self.proc is not None
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))
+        deadline = time.monotonic() + timeout
+        while not stop.is_set():
+            code = self.proc.poll()
+            if code is not None:
+                return f"easel openai exited with code {code}"
+            try:
+                with opener.open(f"http://127.0.0.1:{self.port}/v1/models", timeout=2) as r:
+                    # Another process on the port must not pass for ours.
+                    if r.status == 200 and procs.listens_on(self.proc.pid, self.port):
+                        return None
+            except (urllib.error.URLError, OSError):
+                pass
+            if time.monotonic() > deadline:
+                return f"easel openai not answering on port {self.port} after {timeout:.0f} s"
+            time.sleep(0.2)
+        return "stopped while starting"
+
+    def stop(self, grace: float = 10.0) -> None:
+        """SIGTERM (uvicorn finishes the responses it is writing), SIGKILL after `grace` s."""
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(grace)
+        except subprocess.TimeoutExpired:
+            log.warning("easel openai %d ignored SIGTERM for %.0f s; killing", self.proc.pid, grace)
+            self.proc.kill()
+            self.proc.wait()
 
 
 class Supervisor:
@@ -71,6 +142,7 @@ class Supervisor:
         self._signum = signal.SIGTERM
         self._serving = False
         self._restarts: deque[float] = deque()
+        self.api: OpenAIApi | None = None
 
     def _new_server(self) -> TritonServer:
         o = self.options
@@ -98,12 +170,33 @@ class Supervisor:
             if not self._start():
                 return 1
             o = self.options
+            if o.openai_port and not self._start_api():
+                if self._stop.is_set():  # a signal during the API's start: stop as usual
+                    return self._shutdown()
+                self.server.stop(grace=o.exit_timeout + 30.0)
+                return 1
+            api = f", openai {self.api.url}" if self.api else ""
             print(f"easel serve: ready (http localhost:{o.http_port}, grpc localhost:{o.grpc_port}, "
-                  f"metrics localhost:{o.metrics_port}); Ctrl-C to stop", file=self.out, flush=True)
+                  f"metrics localhost:{o.metrics_port}{api}); Ctrl-C to stop", file=self.out, flush=True)
             return self._watch()
         finally:
+            if self.api is not None:
+                self.api.stop()
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
+
+    def _start_api(self) -> bool:
+        o = self.options
+        if self.api is None:
+            self.api = OpenAIApi(o.openai_port, f"localhost:{o.grpc_port}")
+        self.api.start()
+        failed = self.api.wait_ready(o.ready_timeout, self._stop)
+        if failed is None:
+            return True
+        self.api.stop()
+        if not self._stop.is_set():
+            print(f"easel serve: the OpenAI API did not start: {failed}", file=self.out, flush=True)
+        return False
 
     def _start(self) -> bool:
         self.server = self._new_server()
@@ -127,6 +220,9 @@ class Supervisor:
         while not self._stop.wait(self.options.poll_s):
             reason = self._fault()
             if reason is None:
+                if self.api is not None and self.api.exited() is not None and not self._restart_api():
+                    # Serving without the API it was asked for is not serving: drain and stop.
+                    return self._shutdown() or 1
                 continue
             if not self._restart(reason):
                 return 1
@@ -145,16 +241,33 @@ class Supervisor:
             return "stub process died: " + ", ".join(f"{name} (pid {pid})" for pid, name in dead.items())
         return None
 
-    def _restart(self, reason: str) -> bool:
+    def _may_restart(self, reason: str) -> bool:
+        """Counts a restart (of the server or the API); False once there were MAX_RESTARTS in
+        the window."""
         now = time.monotonic()
         while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
             self._restarts.popleft()
         if len(self._restarts) >= MAX_RESTARTS:
             log.error("%s; %d restarts in %.0f s already, giving up", reason, len(self._restarts),
                       RESTART_WINDOW_S)
-            self.server.kill()
             return False
         self._restarts.append(now)
+        return True
+
+    def _restart_api(self) -> bool:
+        """The API process died: start it again (the server keeps serving meanwhile)."""
+        assert self.api is not None
+        reason = f"easel openai exited with code {self.api.exited()}"
+        if not self._may_restart(reason):
+            return False
+        log.error("%s; starting it again", reason)
+        return self._start_api() or self._stop.is_set()
+
+    def _restart(self, reason: str) -> bool:
+        now = time.monotonic()
+        if not self._may_restart(reason):
+            self.server.kill()
+            return False
         log.error("%s; restarting tritonserver (requests in flight fail with UNAVAILABLE)", reason)
         self._serving = False
         self.server.kill()
@@ -173,6 +286,8 @@ class Supervisor:
             drained = server.drain(self.options.drain_timeout)
             log.info("drain %s after %.1f s; stopping tritonserver",
                      "complete" if drained else "timed out", time.monotonic() - start)
+        if self.api is not None:
+            self.api.stop()  # after the drain: the admitted requests' answers have been sent
         code = server.stop(signum=self._signum, grace=self.options.exit_timeout + 30.0)
         log.info("stopped %.1f s after the signal", time.monotonic() - start)
         return 128 - code if code is not None and code < 0 else (code or 0)

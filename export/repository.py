@@ -236,6 +236,14 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
     # version 2 (export/triton_config.py, SERVING_VERSION).
     (model / str(DRAINING_VERSION)).mkdir()
     (model / "config.pbtxt").write_text(ensemble("easel"))
+    # The same pipeline with a response per denoising step (gRPC streaming), run by BLS from a
+    # decoupled model; one thread per stream waits there, up to the requests generate admits.
+    model = _fresh_model_dir(repo, "easel_stream")
+    (model / str(DRAINING_VERSION)).mkdir()
+    (model / "config.pbtxt").write_text(python_model(
+        "easel_stream", "easel_stream", contract.STREAM, cpu,
+        {"denoisers": ",".join(names), "max_streams": str(options.generate_instances + options.max_queue), **checks},
+        decoupled=True, spare_version=True))
     if options.onnx:
         from .onnx_export import export_repository_onnx
 

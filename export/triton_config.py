@@ -38,11 +38,13 @@ def _quote(value: str) -> str:
 
 
 def python_model(name: str, backend: str, decl: ModelDecl, instances: Instances,
-                 params: dict[str, str] | None = None, decoupled: bool = False, max_queue: int | None = None) -> str:
+                 params: dict[str, str] | None = None, decoupled: bool = False, max_queue: int | None = None,
+                 spare_version: bool = False) -> str:
     """A model served by one of our Python-based backends (backends/<backend>/model.py).
     `max_queue`: requests that may wait for an instance; Triton refuses the next at once with
     UNAVAILABLE (its dynamic batcher's queue policy: with max_batch_size 0 it batches nothing,
-    it only bounds the queue)."""
+    it only bounds the queue). `spare_version`: a public model that drains as the ensemble does
+    (it serves SERVING_VERSION; the caller writes the DRAINING_VERSION folder)."""
     parts = [
         f'name: "{name}"',
         f'backend: "{backend}"',
@@ -55,6 +57,8 @@ def python_model(name: str, backend: str, decl: ModelDecl, instances: Instances,
         parts.append("model_transaction_policy { decoupled: true }")
     if max_queue is not None:
         parts.append(f"dynamic_batching {{ default_queue_policy {{ max_queue_size: {max_queue} }} }}")
+    if spare_version:
+        parts.append(f"version_policy: {{ specific: {{ versions: [ {SERVING_VERSION} ] }} }}")
     return "\n".join(parts) + "\n" + _parameters(params or {})
 
 

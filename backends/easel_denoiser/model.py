@@ -29,22 +29,35 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from backends.bls_controlnets import BlsControlNets  # noqa: E402
 from backends.denoiser_metrics import ControlNetCallMetrics, LoraMetrics, RequestMetrics, RuntimeMetrics  # noqa: E402
+from backends.denoiser_metrics import StepMetrics  # noqa: E402
 from backends.core.adapters.controlnet import ControlInput  # noqa: E402
 from backends.core.engine.builder import build_denoiser  # noqa: E402
 from backends.core.engine.config import DenoiserConfig  # noqa: E402
-from backends.core.engine.denoiser import DenoiseJob  # noqa: E402
+from backends.core.engine.denoiser import DenoiseJob, StepProgress  # noqa: E402
 from backends.core.engine.loop import DenoiseResult, failure_kind  # noqa: E402
 from backends.core.request.adapter_inputs import decode_control_image  # noqa: E402
-from backends.core.request.contract import WIRE_DTYPES, controlnet_decl  # noqa: E402
+from backends.core.request.contract import GENERATE, WIRE_DTYPES, controlnet_decl  # noqa: E402
+from backends.core.request.params import InvalidInput  # noqa: E402
 from backends.core.runtime.unet_split import num_skips  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
     adapter_store_folder, artifact_folder, code_of, error, failure, mark, parameters, params_tensor, placement,
-    read_params, setup_logging)
+    read_params, scalar, setup_logging)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("backends.easel_denoiser")
 # The status each failed outcome goes back with (marked: a BLS caller gets only INTERNAL in 2.51).
 CODES = {"cancelled": "CANCELLED", "invalid": "INVALID_ARG", "not_found": "NOT_FOUND", "refused": "UNAVAILABLE"}
+
+
+# The inputs of a denoising request, those generate forwards (a cancel request carries only `cancel`).
+JOB_INPUTS = tuple(t.name for t in GENERATE.inputs)
+
+
+def _scalar(request, name: str):
+    """An optional [1] input's one element (bytes as text), or None."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    value = None if tensor is None else scalar(tensor.as_numpy())
+    return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 
 class TritonPythonModel:
@@ -59,8 +72,11 @@ class TritonPythonModel:
         self.limits = config.limits
         self.max_pending = config.max_running + config.max_queue
         self.pending: dict[str, tuple] = {}  # request id -> (sender, params)
+        # Progress streams (easel_stream): their cancel flags by the caller's key, and each one's key.
+        self.cancels: dict[str, threading.Event] = {}
+        self.keys: dict[str, str] = {}  # request id -> progress key
         self.request_metrics = RequestMetrics(args)
-        self.outbox: queue.Queue[DenoiseResult | None] = queue.Queue()
+        self.outbox: queue.Queue[DenoiseResult | StepProgress | None] = queue.Queue()
         self.sender = threading.Thread(target=self._send_loop, name="easel-denoise-sender", daemon=True)
         self.sender.start()
         where = placement(args)
@@ -78,11 +94,15 @@ class TritonPythonModel:
         self.control_metrics = ControlNetCallMetrics(args, engine)
         self.runtime_metrics = RuntimeMetrics(args, self.denoiser)
         self.loop = self.denoiser.loop
+        self.step_metrics = StepMetrics(args, self.loop.stats)  # queue, running, step times: its own thread
         self.loop.start()
 
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            if pb_utils.get_input_tensor_by_name(request, "cancel") is not None:
+                self._cancel(request, sender)  # never refused: it frees a place
+                continue
             # Bounded admission: past the bound a request is refused at once instead of joining a
             # queue whose wait only grows (each waiting request also holds its tensors).
             if len(self.pending) >= self.max_pending:
@@ -94,6 +114,9 @@ class TritonPythonModel:
                                        "(max_running + max_queue); retry later", code), code=code), flags=FINAL)
                 continue
             try:
+                for name in JOB_INPUTS:  # optional for Triton only so that a cancel may come alone
+                    if pb_utils.get_input_tensor_by_name(request, name) is None:
+                        raise InvalidInput(name, "is required")
                 params = read_params(request, self.limits)
                 timeout_us = request.timeout()  # what is left of the client's deadline (easel_generate)
                 job = DenoiseJob(
@@ -102,6 +125,7 @@ class TritonPythonModel:
                     pooled_embeds=pb_utils.get_input_tensor_by_name(request, "pooled_embeds").as_numpy(),
                     is_cancelled=sender.is_cancelled, controls=self._controls(request, params),
                     deadline=time.monotonic() + timeout_us / 1e6 if timeout_us else None)
+                self._progress(request, job, sender)
             except Exception as exc:
                 self.request_metrics.record(failure_kind(exc))
                 sender.send(failure(exc, "denoiser", log, marked=True), flags=FINAL)
@@ -116,6 +140,41 @@ class TritonPythonModel:
             self.loop.submit(job)
         return None
 
+    def _progress(self, request, job: DenoiseJob, sender) -> None:
+        """A request with a `progress_key` gets a response per step (the sender thread sends them,
+        in order with its result) and can be cancelled by a later request naming its key."""
+        key = _scalar(request, "progress_key")
+        if key is None:
+            return
+        if not key or key in self.cancels:
+            raise InvalidInput("progress_key", "is empty or already in use")
+        every = _scalar(request, "preview_every") or 0
+        if not 0 <= every <= self.limits.max_steps:
+            raise InvalidInput("preview_every", f"{every} is outside [0, {self.limits.max_steps}]")
+        cancelled = threading.Event()
+        job.is_cancelled = lambda: sender.is_cancelled() or cancelled.is_set()
+        job.on_step, job.preview_every = self.outbox.put, int(every)
+        self.cancels[key] = cancelled
+        self.keys[job.request_id] = key
+
+    def _cancel(self, request, sender) -> None:
+        """easel_stream's client cancelled: the loop drops the request at its next step boundary
+        (its own error response then ends the caller's stream). An unknown key has finished."""
+        cancelled = self.cancels.get(_scalar(request, "cancel"))
+        if cancelled is not None:
+            cancelled.set()
+        sender.send(flags=FINAL)
+
+    def _send_progress(self, progress: StepProgress) -> None:
+        tensors = [pb_utils.Tensor("step", np.array([progress.step], dtype=np.int32))]
+        if progress.latents is not None:  # (waits for the copy the loop queued, not for the loop)
+            tensors.append(pb_utils.Tensor("preview_latents",
+                                           np.ascontiguousarray(progress.latents.numpy(), dtype=np.float32)))
+        try:
+            self.pending[progress.request_id][0].send(pb_utils.InferenceResponse(tensors))
+        except Exception:  # the caller went away: its result (or error) still ends the request
+            log.warning("progress of request %s not sent", progress.request_id, exc_info=True)
+
     def _controls(self, request, params):
         images = pb_utils.get_input_tensor_by_name(request, "control_images").as_numpy().reshape(-1)
         return [ControlInput(c.name, decode_control_image(images[i], self.limits.max_control_image_pixels, i),
@@ -124,7 +183,11 @@ class TritonPythonModel:
 
     def _send_loop(self):
         while (result := self.outbox.get()) is not None:
+            if isinstance(result, StepProgress):
+                self._send_progress(result)
+                continue
             sender, params = self.pending.pop(result.request_id)
+            self.cancels.pop(self.keys.pop(result.request_id, ""), None)
             self.request_metrics.record(result.outcome, result.steps)
             self.request_metrics.other.set("pending", len(self.pending))
             self.metrics.record(self.lora_loads.pop(result.request_id, None), result)
@@ -152,3 +215,4 @@ class TritonPythonModel:
         self.denoiser.shutdown()
         self.outbox.put(None)
         self.sender.join(timeout=30)
+        self.step_metrics.stop()

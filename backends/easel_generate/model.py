@@ -17,14 +17,12 @@ for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
 sys.path[:] = [p for p in sys.path if p not in _own] + _own
 
 import itertools  # noqa: E402
-import time  # noqa: E402
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
-from backends.core.request.contract import DENOISER, GENERATE  # noqa: E402
-from backends.core.request.params import Cancelled  # noqa: E402
+from backends.core.request.contract import GENERATE  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
-    ForwardedError, each_request, limits, parameters, read_params, setup_logging)
+    ForwardedError, each_request, limits, parameters, read_params, remaining_us, setup_logging)
 
 
 class TritonPythonModel:
@@ -48,8 +46,8 @@ class TritonPythonModel:
         params = read_params(request, self.limits)  # refuses what breaks the limits before a denoiser sees it
         inputs = [pb_utils.get_input_tensor_by_name(request, t.name) for t in GENERATE.inputs]
         bls = pb_utils.InferenceRequest(model_name=next(self.denoisers), inputs=inputs,
-                                        requested_output_names=[t.name for t in DENOISER.outputs],
-                                        timeout=_remaining_us(request, params))
+                                        requested_output_names=[t.name for t in GENERATE.outputs],
+                                        timeout=remaining_us(request.timeout(), params, "generate"))
         final = None
         for response in bls.exec(decoupled=True):
             if response.has_error():
@@ -59,25 +57,5 @@ class TritonPythonModel:
         if final is None:
             raise RuntimeError("the denoiser finished without a result")
         outputs = {t.name(): t for t in final.output_tensors()}
-        return [outputs[t.name] for t in DENOISER.outputs]
+        return [outputs[t.name] for t in GENERATE.outputs]
 
-
-def _remaining_us(request, params) -> int:
-    """What is left of the client's deadline, in microseconds (0: none), for the denoiser.
-
-    Why a deadline and not Triton's cancellation: in Triton 2.51 a client's cancel (gRPC cancel()
-    or its deadline) marks the ensemble's request only; the step requests already running
-    (this one) never see request.is_cancelled() turn true, and a BLS request cannot be cancelled
-    at all (no cancel() on its response iterator before 24.11): measured, the denoiser kept
-    stepping. The request's `timeout` (the protocol's timeout parameter, in microseconds; Easel's
-    client sends its deadline there) does reach every step. So the denoiser gets what remains of
-    it and drops the request at the first step boundary past it (backends/core/engine/loop.py)."""
-    timeout_us = request.timeout()
-    if not timeout_us:
-        return 0
-    received = params.trace.get("received_at")  # preprocess's clock: when the ensemble began
-    elapsed = max(0.0, time.time() - received) if isinstance(received, (int, float)) else 0.0
-    remaining = timeout_us - int(elapsed * 1e6)
-    if remaining <= 0:
-        raise Cancelled(f"generate: the request's deadline ({timeout_us / 1e6:.3g} s) passed before denoising")
-    return remaining

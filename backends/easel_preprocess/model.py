@@ -21,8 +21,8 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 from backends.core.request.contract import PREPROCESS  # noqa: E402
 from backends.core.request.adapter_inputs import validate_request  # noqa: E402
 from backends.core.request.params import Limits  # noqa: E402
-from backends.triton_adapter import (each_request, error, parameters, params_tensor, read_inputs, scalar,  # noqa: E402
-                                     setup_logging)
+from backends.triton_adapter import (each_request, error, mark, parameters, params_tensor, read_inputs,  # noqa: E402
+                                     scalar, setup_logging, wants_marks)
 
 log = logging.getLogger("backends.preprocess")
 
@@ -46,7 +46,8 @@ class TritonPythonModel:
             if not self.draining:  # one line per drain, not one per refused request
                 log.warning("draining: refusing new requests with UNAVAILABLE")
                 self.draining = True
-            return [error(DRAINING, code=pb_utils.TritonError.UNAVAILABLE) for _ in requests]
+            code = pb_utils.TritonError.UNAVAILABLE
+            return [error(mark(DRAINING, code) if wants_marks(r) else DRAINING, code=code) for r in requests]
         return each_request(requests, self._validate, "preprocess")
 
     def _validate(self, request):

@@ -24,9 +24,10 @@ from backends.core.request.params import Limits, validate
 from backends.core.runtime.placement import Placement
 from backends.core.stages.text_encoding import PromptEncoder
 from backends.core.runtime.unet_split import split_unet
+from clients.serve import TritonServer
 from export.repository import ExportOptions, export_repository
 
-MODELS = ("easel", "preprocess", "text_encoder", "generate", "vae_decoder", "postprocess")
+MODELS = ("easel", "easel_stream", "preprocess", "text_encoder", "generate", "vae_decoder", "postprocess")
 PICKLE_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"}
 Config = model_config_pb2.ModelConfig
 
@@ -75,13 +76,14 @@ def test_every_config_parses_and_is_named_after_its_folder(repo):
         assert config.name == name
         assert (repo / name / "1").is_dir()
         if name != "easel":
-            assert config.backend == f"easel_{'denoiser' if name.startswith('denoiser') else name}"
+            component = "denoiser" if name.startswith("denoiser") else name.removeprefix("easel_")
+            assert config.backend == f"easel_{component}"
             assert (Path(__file__).parents[2] / "backends" / config.backend / "model.py").is_file()
 
 
 def test_configs_declare_the_contract(cpu_repo):
     parsed = configs(cpu_repo)
-    decls = dict(contract.PIPELINE, denoiser=contract.DENOISER)
+    decls = dict(contract.PIPELINE, denoiser=contract.DENOISER, easel_stream=contract.STREAM)
     for name, decl in decls.items():
         config = parsed[name]
         assert [t.name for t in config.input] == [t.name for t in decl.inputs]
@@ -119,17 +121,29 @@ def test_ensemble_steps_connect(repo):
     assert [o.name for o in easel.output] == ["image", "info"]
 
 
-def test_ensemble_serves_one_version_and_has_a_spare_for_draining(repo):
-    # `easel serve` drains by switching the ensemble to its spare version (clients/serve.py,
+@pytest.mark.parametrize("public", ["easel", "easel_stream"])
+def test_public_models_serve_one_version_and_have_a_spare_for_draining(repo, public):
+    # `easel serve` drains by switching the public models to their spare version (clients/serve.py,
     # TritonServer.drain): Triton keeps version 1 UNLOADING until its requests finish.
-    easel = configs(repo)["easel"]
-    assert list(easel.version_policy.specific.versions) == [1]
-    assert sorted(p.name for p in (repo / "easel").iterdir() if p.is_dir()) == ["1", "2"]
+    config = configs(repo)[public]
+    assert list(config.version_policy.specific.versions) == [1]
+    assert sorted(p.name for p in (repo / public).iterdir() if p.is_dir()) == ["1", "2"]
+    assert TritonServer(repo).public_models() == ["easel", "easel_stream"]
 
 
-def test_only_the_denoisers_are_decoupled(repo):
+def test_only_the_denoisers_and_the_stream_are_decoupled(repo):
     for name, config in configs(repo).items():
-        assert config.model_transaction_policy.decoupled == name.startswith("denoiser"), name
+        assert config.model_transaction_policy.decoupled == (name.startswith("denoiser") or name == "easel_stream"), name
+
+
+def test_the_stream_takes_easels_inputs_and_knows_the_denoisers(repo):
+    parsed = configs(repo)
+    stream = parsed["easel_stream"]
+    assert [t.name for t in stream.input] == [t.name for t in parsed["easel"].input] + ["preview_every"]
+    params = params_of(stream)
+    assert params["denoisers"] == params_of(parsed["generate"])["denoisers"]
+    assert params["limits"] == params_of(parsed["preprocess"])["limits"]
+    assert int(params["max_streams"]) == 8 + 48  # generate's instances + its queue
 
 
 def test_preprocess_limits_follow_the_model(cpu_repo, alt_repo):

@@ -36,12 +36,13 @@ def repo(tiny_model, tmp_path_factory):
 class EaselServe:
     """One `easel serve` process in the foreground, its stderr collected as it comes."""
 
-    def __init__(self, repo: Path, ports: tuple[int, int, int] | None = None, drain_timeout: float = 240.0):
+    def __init__(self, repo: Path, ports: tuple[int, int, int] | None = None, drain_timeout: float = 240.0,
+                 extra: tuple[str, ...] = ()):
         self.ports = ports or (free_port(), free_port(), free_port())
         http, grpc, metrics = self.ports
         argv = [sys.executable, "-m", "clients.cli", "serve", "--repo", str(repo), "--http-port", str(http),
                 "--grpc-port", str(grpc), "--metrics-port", str(metrics), "--drain-timeout", str(drain_timeout),
-                "--timeout", str(START_S)]
+                "--timeout", str(START_S), *extra]
         self.proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
         self.lines: list[str] = []
         self._reader = threading.Thread(target=self._read, daemon=True)

@@ -35,7 +35,7 @@ def test_bad_size_message(bad, capsys):
 
 def test_generate_defaults_leave_options_unset():
     args = _generate_args()
-    assert args.protocol == "http" and args.url is None and args.model == "easel"
+    assert args.protocol == "grpc" and args.url is None and args.model == "easel" and not args.no_stream
     kw = cli.generate_kwargs(args)
     assert kw["prompt"] == "a cat"
     assert all(kw[k] is None for k in kw if k != "prompt")

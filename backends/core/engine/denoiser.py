@@ -33,6 +33,7 @@ from backends.core.runtime.placement import Placement
 from backends.core.engine.diffusers_schedulers import make_scheduler
 from backends.core.engine.samplers import SamplerPlan, model_timesteps, scale_model_input, vectorizable
 from backends.core.engine.samplers import step as sampler_step
+from backends.core.engine.step_stats import DECODED, DECODER, ENCODED, ENCODER, SAMPLED, SAMPLER, StepClock
 
 VAE_SCALE_FACTOR_FILE = "vae_scale_factor.json"
 # Tokens of a prompt's embeddings: the text encoder pads every prompt to CLIP's model_max_length.
@@ -56,6 +57,39 @@ class DenoiseJob:
     # `lora_bound` and they join at the first step boundary after the load completes.
     loras_pending: Future | None = None
     lora_bound: int = 0
+    # Progress (easel_stream): called on the loop thread after each of its steps, so it must only
+    # enqueue; the latents come along every `preview_every` steps (0: never).
+    on_step: Callable[["StepProgress"], None] | None = None
+    preview_every: int = 0
+
+
+@dataclass(frozen=True)
+class StepProgress:
+    request_id: str
+    step: int  # steps done, 1 to steps
+    steps: int
+    latents: "LatentSnapshot | None" = None  # when a preview is due at this step
+
+
+class LatentSnapshot:
+    """A request's latents at one step, read later on another thread without a host sync on the
+    loop: on a GPU the loop only queues a copy into pinned memory and an event on its stream, and
+    `numpy()` waits for that event (not for the steps queued after it). The latents tensor itself
+    is never written in place (every step makes a new one), so holding it is a snapshot."""
+
+    def __init__(self, latents: torch.Tensor, stream: torch.cuda.Stream | None):
+        self.event = None
+        if latents.is_cuda:
+            self.host = latents.float().to("cpu", non_blocking=True)
+            self.event = torch.cuda.Event()
+            self.event.record(stream)
+        else:
+            self.host = latents.detach().float()
+
+    def numpy(self) -> np.ndarray:
+        if self.event is not None:
+            self.event.synchronize()
+        return self.host.numpy()
 
 
 @dataclass
@@ -110,6 +144,8 @@ class TorchDenoiser:
         # LoRAs: merged in place when the whole batch shares one set, else computed unmerged.
         self.lora_merger = LoraMerger(self.unet)
         self.merged: tuple = ()
+        # Times the halves and the sampler of the loop's steps (events on our stream on a GPU).
+        self.clock = StepClock(self.stream)
 
     def on_stream(self):
         """Context for the thread that owns the engine: its work goes to the engine's stream."""
@@ -177,18 +213,25 @@ class TorchDenoiser:
             pending = self._pipeline(states, pending)
         batch = StepBatch(sample, timestep, embeds, torch.cat([s.pooled for s in states]),
                           torch.cat([s.time_ids for s in states]), lora_segments=self._loras(states))
+        clock = self.clock
+        clock.mark(ENCODER)
         enc = self.runtime.encode(batch)
+        clock.mark(ENCODED)
         failed: dict[str, str] = {}
         residuals = self._collect_controls(states, pending, enc.skips, enc.mid, failed)
+        clock.mark(DECODER)
         noise = self.runtime.decode(batch, enc, residuals)
+        clock.mark(DECODED)
 
         live = [s for s in states if s.job.request_id not in failed]
+        clock.mark(SAMPLER)
         if vectorized and not failed and _same_guidance(states):
             self._advance(states, noise)
         else:
             for s, pred in zip(states, noise.split([s.rows for s in states])):
                 if s.job.request_id not in failed:
                     self._advance([s], pred)
+        clock.mark(SAMPLED)
         for s in live:
             s.index += 1
             s.max_batch = max(s.max_batch, len(states))
@@ -329,6 +372,10 @@ class TorchDenoiser:
         self.control_wait_s += time.perf_counter() - start
         self.control_calls += sum(len(f) for f in pending)
         return [torch.cat(parts) for parts in zip(*downs)], torch.cat(mids)
+
+    def snapshot(self, state: RequestState) -> LatentSnapshot:
+        """The request's latents now, for a preview (on the loop thread: queues a copy, no sync)."""
+        return LatentSnapshot(state.latents, self.stream)
 
     def result(self, state: RequestState) -> np.ndarray:
         """The final latents on the host. Copied on the engine's stream, from any thread: that stream

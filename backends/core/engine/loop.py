@@ -21,9 +21,10 @@ from typing import Callable
 
 import numpy as np
 
-from backends.core.engine.denoiser import DenoiseJob, RequestState, TorchDenoiser
+from backends.core.engine.denoiser import DenoiseJob, RequestState, StepProgress, TorchDenoiser
 from backends.core.request.params import InvalidInput, UnknownAdapter
 from backends.core.engine.scheduler import SchedulerConfig, SeqState, Status, StepOutput, StepScheduler
+from backends.core.engine.step_stats import LoopStats
 
 log = logging.getLogger(__name__)
 _WAKE = "wake"  # a LoRA load finished: look again
@@ -65,6 +66,7 @@ class DenoiseLoop:
         self.on_done = on_done
         self.scheduler = StepScheduler(config)
         self.states: dict[str, RequestState] = {}
+        self.stats = LoopStats()  # queue, running, step records: read by the adapter's metrics thread
         self._inbox: queue.Queue[DenoiseJob | None | str] = queue.Queue()
         self._stopping = threading.Event()
         self._thread = threading.Thread(target=self._run, name="easel-denoise-loop", daemon=True)
@@ -73,6 +75,7 @@ class DenoiseLoop:
         self._thread.start()
 
     def submit(self, job: DenoiseJob) -> None:
+        self.stats.submitted += 1
         self._inbox.put(job)
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -85,18 +88,26 @@ class DenoiseLoop:
 
     def _run(self) -> None:
         with self.engine.on_stream():
+            self.engine.clock.idle(self.stats)  # anchors GPU time to host time
             self._loop()
 
     def _loop(self) -> None:
+        clock = self.engine.clock
         while not self._stopping.is_set():
+            if not self.scheduler.has_work():
+                clock.idle(self.stats)
             self._drain(block=not self.scheduler.has_work())
+            clock.begin()  # the step's wall time starts here: scheduling is part of it
             self._reap_cancelled()
             self._take_loaded_loras()
             plan = self.scheduler.schedule(now=time.monotonic())
+            self._count()
             if plan is None:  # nothing runnable: every request waits at its LoRA bound
+                clock.discard()
                 self._drain(block=True)
                 continue
             batch = [self.states[rid] for rid in plan.request_ids]
+            new = tuple(s for s in batch if s.index == 0)
             kinds: dict[str, str] = {}
             try:
                 failed = self.engine.step(batch)  # id -> why: a message, or the client's error itself
@@ -105,10 +116,36 @@ class DenoiseLoop:
             except Exception as exc:  # one bad step fails its batch, not the server
                 log.exception("denoising step failed for %s", plan.request_ids)
                 output = StepOutput(failed={rid: f"denoising step failed: {exc}" for rid in plan.request_ids})
+                new = None
+            self._report_steps(batch, output)  # before any result: a request's progress precedes its end
             for seq in self.scheduler.update(plan, output):
                 self._finish(seq, kinds.get(seq.request_id))
+            self._count()
+            if new is None:
+                clock.discard()
+            else:  # (a request whose first step failed has not had one)
+                clock.end(sum(s.rows for s in batch), tuple(s.job.arrival for s in new if s.index == 1), self.stats)
         for rid in list(self.states):
             self._abort(rid, Status.FAILED, "the denoiser is shutting down")
+        self._count()
+
+    def _count(self) -> None:
+        self.stats.waiting = len(self.scheduler.waiting)
+        self.stats.running = len(self.scheduler.running)
+
+    def _report_steps(self, batch: list[RequestState], output: StepOutput) -> None:
+        """Progress of the requests that asked for it (easel_stream): an enqueue each, and on a
+        step due for a preview a copy queued on the engine's stream (LatentSnapshot), no sync."""
+        for state in batch:
+            job = state.job
+            if job.on_step is None or job.request_id in output.failed:
+                continue
+            due = job.preview_every > 0 and state.index % job.preview_every == 0
+            try:
+                job.on_step(StepProgress(job.request_id, state.index, len(state.timesteps),
+                                         self.engine.snapshot(state) if due else None))
+            except Exception:  # a progress report must never fail the step loop
+                log.exception("progress of request %s failed", job.request_id)
 
     def _drain(self, block: bool) -> None:
         while True:
@@ -121,6 +158,7 @@ class DenoiseLoop:
                 return
             if job is not _WAKE:
                 self._admit(job)
+                self.stats.taken += 1
 
     def _admit(self, job: DenoiseJob) -> None:
         try:

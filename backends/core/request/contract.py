@@ -73,9 +73,30 @@ PIXELS = _t("pixels", "UINT8", -1, -1, 3)
 PREPROCESS = ModelDecl(inputs=PUBLIC.inputs, outputs=(PARAMS, CONTROL_IMAGES))
 TEXT_ENCODER = ModelDecl(inputs=(PARAMS,), outputs=(PARAMS, *EMBEDS))
 GENERATE = ModelDecl(inputs=(PARAMS, *EMBEDS, CONTROL_IMAGES), outputs=(PARAMS, LATENTS))
-DENOISER = ModelDecl(inputs=(PARAMS, *EMBEDS, CONTROL_IMAGES), outputs=(PARAMS, LATENTS))
+
+# Progress (easel_stream): `progress_key` asks the denoiser for one response per step (`step`,
+# and `preview_latents` every `preview_every` steps) before the final one, under a key of the
+# caller's; a later request that carries only `cancel` with that key stops the request at the
+# next step boundary (Triton 2.51 cannot cancel a BLS request; backends/easel_stream says more).
+# Hence the job's inputs are optional for Triton: the denoiser names a missing one itself.
+PREVIEW_EVERY = _t("preview_every", "INT32", 1, optional=True)
+DENOISER = ModelDecl(
+    inputs=(*(TensorDecl(t.name, t.dtype, t.dims, optional=True) for t in (PARAMS, *EMBEDS, CONTROL_IMAGES)),
+            _t("progress_key", "BYTES", 1, optional=True), PREVIEW_EVERY, _t("cancel", "BYTES", 1, optional=True)),
+    outputs=(PARAMS, LATENTS, _t("step", "INT32", 1), _t("preview_latents", "FP32", 1, -1, -1, -1)),
+)
 VAE_DECODER = ModelDecl(inputs=(PARAMS, LATENTS), outputs=(PARAMS, PIXELS))
 POSTPROCESS = ModelDecl(inputs=(PARAMS, PIXELS), outputs=PUBLIC.outputs)
+
+# The public model `easel_stream` (decoupled, gRPC streaming): `easel`'s inputs, and `preview_every`
+# (0 or absent: no previews). One response per denoising step carries `step`, `steps`, `elapsed_s`
+# (since the request arrived) and, every `preview_every` steps, `preview` (a PNG at the latent
+# grid's size, backends/core/stages/preview.py); the final response carries `image` and `info`.
+STREAM = ModelDecl(
+    inputs=(*PUBLIC.inputs, PREVIEW_EVERY),
+    outputs=(*PUBLIC.outputs, _t("step", "INT32", 1), _t("steps", "INT32", 1), _t("elapsed_s", "FP32", 1),
+             _t("preview", "BYTES", 1)),
+)
 
 
 
