@@ -36,7 +36,8 @@ class Fp8Linear(nn.Module):
         super().__init__()
         w = linear.weight.detach().float()
         scale = w.abs().amax(dim=1, keepdim=True).clamp(min=1e-12) / E4M3_MAX  # [N, 1]
-        self.register_buffer("w8", (w / scale).to(torch.float8_e4m3fn))  # [N, K], row-major
+        # Clamped: a cast to e4m3fn does not saturate, a value a rounding past 448 becomes NaN.
+        self.register_buffer("w8", (w / scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn))  # [N, K]
         self.register_buffer("w_scale", scale.t().contiguous())  # [1, N]
         self.bias = linear.bias
         self.out_features = linear.out_features
@@ -44,7 +45,7 @@ class Fp8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
         x_scale = rows.abs().amax(dim=1, keepdim=True).float().clamp(min=1e-12) / E4M3_MAX  # [M, 1]
-        x8 = (rows.float() / x_scale).to(torch.float8_e4m3fn).contiguous()
+        x8 = (rows.float() / x_scale).clamp(-E4M3_MAX, E4M3_MAX).to(torch.float8_e4m3fn).contiguous()
         # Row-wise scaled products write bf16 (CUTLASS's kernel); the cast and bias fuse under compile.
         y = torch._scaled_mm(x8, self.w8.t(), scale_a=x_scale, scale_b=self.w_scale, out_dtype=torch.bfloat16)
         y = y.to(x.dtype)

@@ -82,7 +82,7 @@ def plot(report_path: Path) -> Path:
     report = json.loads(report_path.read_text())
     variants = report["variants"]
     cats = [c for c, _ in CATEGORIES] + ["other"]
-    fig, ax = plt.subplots(figsize=(9, 0.6 * len(variants) + 2))
+    fig, ax = plt.subplots(figsize=(10, 0.7 * len(variants) + 2.6))
     colors = plt.get_cmap("tab10")
     for y, (name, v) in enumerate(variants.items()):
         left = 0.0
@@ -93,11 +93,12 @@ def plot(report_path: Path) -> Path:
                     label=cat if y == 0 else None)
             left += ms
         ax.text(left + 0.3, y, f"{v['step_ms']:.1f} ms", va="center")
+    ax.set_xlim(0, 1.12 * max(v["step_ms"] for v in variants.values()))
     ax.set_yticks(range(len(variants)), list(variants))
     ax.invert_yaxis()
     ax.set_xlabel("GPU time of one UNet step (ms)")
     ax.set_title(f"Where a step goes: SDXL UNet, {report['size']} px, {report['rows']} rows, fp16, {report['gpu']}")
-    ax.legend(loc="lower right", fontsize="small")
+    ax.legend(loc="upper center", bbox_to_anchor=(0.5, -0.2), ncol=5, fontsize="small", frameon=False)
     fig.tight_layout()
     png = report_path.with_suffix(".png")
     fig.savefig(png, dpi=120)
