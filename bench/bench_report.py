@@ -321,7 +321,8 @@ def write_report(results: dict, out: Path, final: bool = False) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     """`python -m bench.bench_report DIR...` (`make bench-plots`): redraw the plots of each result
-    folder from its results.json, and nothing else (the committed tables stay as they are)."""
+    folder from its results.json (and step_profile.json), and nothing else (the committed tables
+    stay as they are)."""
     import argparse
 
     from bench.common import start_logging
@@ -331,6 +332,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     start_logging()
     for folder in args.folders:
+        if (folder / "step_profile.json").is_file():  # bench/step_profile.py's
+            from bench.step_profile import plot as plot_profile
+
+            log.info("wrote %s", plot_profile(folder / "step_profile.json"))
         if not (folder / "results.json").is_file():
             log.info("%s: no results.json, nothing to plot", folder)
             continue
