@@ -33,6 +33,17 @@ def random_sdxl(work: Path) -> Path:
     return model
 
 
+def random_sdxl_denoiser(work: Path) -> Path:
+    """The version folder of a denoiser (fp16, cuda:0) exported from random_sdxl: the UNet halves
+    the in-process micro-benchmarks load."""
+    from export.repository import ExportOptions, export_repository
+
+    repo = work / "repo"
+    if not (repo / "denoiser_gpu0").exists():
+        export_repository(random_sdxl(work), repo, ExportOptions(device="cuda", dtype="fp16", gpus=(0,)))
+    return repo / "denoiser_gpu0" / "1"
+
+
 def tiny(work: Path, adapters: bool = False) -> Path:
     """The tiny test pipeline, with its tiny adapter store in `<model>/adapters` if asked."""
     from export.tiny import write_tiny_pipeline

@@ -22,7 +22,7 @@ import time
 import torch
 from torch import nn
 
-from bench.common import bench_parser, random_sdxl, start_logging
+from bench.common import bench_parser, random_sdxl, random_sdxl_denoiser, start_logging
 from bench.runtime_micro import gpu_ms
 
 log = logging.getLogger("bench.fp8_probe")
@@ -86,13 +86,8 @@ def main() -> None:
     from backends.core.runtime.torch_fast import FastUNetRuntime, _resized
     from backends.core.stages.image_metrics import psnr
     from backends.core.stages.vae_decoding import LatentDecoder
-    from export.repository import ExportOptions, export_repository
 
-    model = random_sdxl(args.work)
-    repo = args.work / "repo"
-    if not (repo / "denoiser_gpu0").exists():
-        export_repository(model, repo, ExportOptions(device="cuda", dtype="fp16", gpus=(0,)))
-    folder = repo / "denoiser_gpu0" / "1"
+    model, folder = random_sdxl(args.work), random_sdxl_denoiser(args.work)
     where = Placement("cuda:0", "fp16")
     latent = args.size // 8
     vae = LatentDecoder(model, where, graphs=True, fused_kernels=True)

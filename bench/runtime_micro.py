@@ -17,7 +17,7 @@ import logging
 import statistics
 import time
 
-from bench.common import bench_parser, random_sdxl, start_logging
+from bench.common import bench_parser, random_sdxl_denoiser, start_logging
 
 log = logging.getLogger("bench.runtime_micro")
 
@@ -72,14 +72,10 @@ def main() -> None:
     from backends.core.runtime.placement import Placement
     from backends.core.runtime.torch_eager import EagerUNetRuntime
     from backends.core.runtime.torch_fast import FastUNetRuntime
-    from export.repository import ExportOptions, export_repository
 
     rows_list = [int(r) for r in args.rows.split(",")]
     kinds = args.kinds.split(",")
-    repo = args.work / "repo"
-    if not (repo / "denoiser_gpu0").exists():
-        export_repository(random_sdxl(args.work), repo, ExportOptions(device="cuda", dtype="fp16", gpus=(0,)))
-    folder = repo / "denoiser_gpu0" / "1"
+    folder = random_sdxl_denoiser(args.work)
     where = Placement("cuda:0", "fp16")
     latent = args.size // 8
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "size": args.size,

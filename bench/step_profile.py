@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from bench.common import bench_parser, random_sdxl, start_logging
+from bench.common import bench_parser, random_sdxl_denoiser, start_logging
 from bench.runtime_micro import gpu_ms
 
 log = logging.getLogger("bench.step_profile")
@@ -123,12 +123,8 @@ def main() -> None:
     from backends.core.runtime.placement import Placement
     from backends.core.runtime.torch_eager import EagerUNetRuntime
     from backends.core.runtime.torch_fast import FastUNetRuntime, _resized
-    from export.repository import ExportOptions, export_repository
 
-    repo = args.work / "repo"
-    if not (repo / "denoiser_gpu0").exists():
-        export_repository(random_sdxl(args.work), repo, ExportOptions(device="cuda", dtype="fp16", gpus=(0,)))
-    folder = repo / "denoiser_gpu0" / "1"
+    folder = random_sdxl_denoiser(args.work)
     where = Placement("cuda:0", "fp16")
     latent = args.size // 8
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "size": args.size, "rows": args.rows,
