@@ -91,6 +91,12 @@ def read_inputs(request, decl: ModelDecl) -> dict[str, np.ndarray | None]:
     return out
 
 
+def input_array(request, name: str) -> np.ndarray | None:
+    """An input of the request as numpy, or None when the request leaves it out."""
+    tensor = pb_utils.get_input_tensor_by_name(request, name)
+    return None if tensor is None else tensor.as_numpy()
+
+
 def scalar(array: np.ndarray | None):
     """The one element of a [1]-shaped input (bytes for BYTES), or None when absent."""
     if array is None:

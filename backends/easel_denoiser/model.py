@@ -40,8 +40,8 @@ from backends.core.request.contract import GENERATE, WIRE_DTYPES, controlnet_dec
 from backends.core.request.params import InvalidInput  # noqa: E402
 from backends.core.runtime.unet_split import num_skips  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
-    adapter_store_folder, artifact_folder, code_of, error, failure, mark, parameters, params_tensor, placement,
-    read_params, scalar, setup_logging)
+    adapter_store_folder, artifact_folder, code_of, error, failure, input_array, mark, parameters, params_tensor,
+    placement, read_params, scalar, setup_logging)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("backends.easel_denoiser")
@@ -55,8 +55,7 @@ JOB_INPUTS = tuple(t.name for t in GENERATE.inputs)
 
 def _scalar(request, name: str):
     """An optional [1] input's one element (bytes as text), or None."""
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    value = None if tensor is None else scalar(tensor.as_numpy())
+    value = scalar(input_array(request, name))
     return value.decode(errors="replace") if isinstance(value, bytes) else value
 
 

@@ -44,7 +44,7 @@ from backends.core.request.adapter_inputs import checked_params  # noqa: E402
 from backends.core.request.params import Cancelled, InvalidInput, Limits  # noqa: E402
 from backends.core.stages.preview import preview_png  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
-    MARKS_PARAMETER, ForwardedError, code_of, error, failure, limits, parameters, remaining_us, scalar,
+    MARKS_PARAMETER, ForwardedError, code_of, error, failure, input_array, limits, parameters, remaining_us, scalar,
     setup_logging)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -104,13 +104,13 @@ class TritonPythonModel:
 
     def _admit(self, request, sender) -> Stream | None:
         """The request as a Stream, or None when refused for overload (answered here)."""
-        every = scalar(_numpy(request, "preview_every"))
+        every = scalar(input_array(request, "preview_every"))
         every = 0 if every is None else every
         if not 0 <= every <= self.limits.max_steps:
             raise InvalidInput("preview_every", f"{every} is outside [0, {self.limits.max_steps}]")
         # Copies: the worker must not depend on the request's own tensors once execute returned.
         inputs = [pb_utils.Tensor(t.name, array) for t in contract.PUBLIC.inputs
-                  if (array := _numpy(request, t.name)) is not None]
+                  if (array := input_array(request, t.name)) is not None]
         stream = Stream(sender, inputs, int(every), request.timeout())
         with self.lock:
             if len(self.streams) >= self.max_streams:
@@ -228,8 +228,3 @@ class TritonPythonModel:
         self.stopping.set()
         self.watcher.join(timeout=5)
         self.pool.shutdown(wait=False)
-
-
-def _numpy(request, name: str):
-    tensor = pb_utils.get_input_tensor_by_name(request, name)
-    return None if tensor is None else tensor.as_numpy()
