@@ -110,7 +110,8 @@ def main() -> None:
     p = bench_parser(__doc__, size=1024, steps=0)
     p.add_argument("--rows", type=int, default=2)
     p.add_argument("--kinds", default="graphs+fused,compiled",
-                   help="eager, graphs or compiled, each optionally +cl (channels_last), +fused, +cudnn (attention)")
+                   help="eager, graphs or compiled, each optionally +cl (channels_last), +fused, +cudnn (attention), "
+                        "+unpacked (no packed attention projections)")
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
     start_logging()
@@ -145,7 +146,8 @@ def main() -> None:
         else:
             runtime = FastUNetRuntime(eager, RuntimeConfig(kind=kind, row_buckets=(args.rows,),
                                                            channels_last="cl" in options,
-                                                           fused_kernels="fused" in options),
+                                                           fused_kernels="fused" in options,
+                                                           packed_attention="unpacked" not in options),
                                       cache_root=args.work / "cache")
             start = time.perf_counter()
             runtime.warmup(template, [(latent, latent)])
@@ -153,12 +155,15 @@ def main() -> None:
             enc_fn, dec_fn = runtime.enc_fn, runtime.dec_fn
             if "cl" in options:
                 batch.sample = batch.sample.contiguous(memory_format=torch.channels_last)
+        # One request's steps: its text (and so its packed K/V projections) is the same at each.
+        batch.text_key = ("one request",)
         with torch.inference_mode():
             step = gpu_ms(lambda: runtime.decode(batch, runtime.encode(batch), None), args.iters)
+            text = runtime.text_input(batch) if kind != "eager" else batch.text
 
             def unreplayed():
-                emb, mid, skips = enc_fn(batch.sample, batch.timestep, batch.text, batch.pooled, batch.time_ids)
-                return dec_fn(emb, mid, skips, batch.text, None, None)
+                emb, mid, skips = enc_fn(batch.sample, batch.timestep, text, batch.pooled, batch.time_ids)
+                return dec_fn(emb, mid, skips, text, None, None)
 
             by_cat, kernels, launches = kernel_profile(unreplayed, 3)
         total = sum(by_cat.values())

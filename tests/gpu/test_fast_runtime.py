@@ -122,6 +122,61 @@ def test_lora_merge_is_seen_by_captured_graphs(repo, tiny_model):
     assert rel_err(got, before) > 10 * TOL[torch.float16]
 
 
+def test_packed_text_projections_follow_the_text_key(repo):
+    """The text's cross-attention K/V are computed when the batch's text_key changes and reused
+    while it stays (the key promises the same text); a refit makes them anew. Unpacked: equal."""
+    eager, fast = runtimes(repo, "fp16", RuntimeConfig(kind="graphs", row_buckets=(2,)))
+    assert fast.text_projections is not None
+    a, b = batch(eager.weights_module, 2, seed=1), batch(eager.weights_module, 2, seed=2)
+    a.text_key, b.text_key = ("a",), ("b",)
+    want_a, want_b = step(eager, a), step(eager, b)
+    assert rel_err(step(fast, a), want_a) <= TOL[torch.float16]
+    assert rel_err(step(fast, b), want_b) <= TOL[torch.float16]
+    stale = batch(eager.weights_module, 2, seed=2)
+    stale.text = a.text.clone()
+    stale.text_key = ("b",)  # a broken promise shows that the projections were reused, not recomputed
+    assert rel_err(step(fast, stale), want_b) <= TOL[torch.float16]
+    name = next(n for n, _ in fast.weights_module.named_parameters() if n.endswith("attn2.to_k.weight"))
+    for runtime in (eager, fast):
+        runtime.refit({name: 2 * dict(runtime.weights_module.named_parameters())[name]})
+    assert rel_err(step(fast, b), step(eager, b)) <= TOL[torch.float16]
+    assert rel_err(step(eager, b), want_b) > 10 * TOL[torch.float16]  # the refit mattered
+    _, unpacked = runtimes(repo, "fp16", RuntimeConfig(kind="graphs", row_buckets=(2,), packed_attention=False))
+    assert unpacked.text_projections is None
+    assert rel_err(step(unpacked, a), want_a) <= TOL[torch.float16]
+
+
+def test_denoiser_batches_that_change_reuse_no_stale_text(repo, tiny_model):
+    """Requests joining and leaving a batch (the text rows change) and a LoRA merged for one of
+    them, through the engine on graphs, against the eager engine stepping the same batches. fp32."""
+    where = Placement("cuda:0", "fp32")
+    folder = repo / "denoiser" / "1"
+    lora = load_lora("papercut", AdapterStore(tiny_model / "adapters").lora("papercut").path)
+    _, fast_runtime = runtimes(repo, "fp32", RuntimeConfig(kind="graphs"))
+    engines = (TorchDenoiser(folder, where), TorchDenoiser(folder, where, runtime=fast_runtime))
+    encoder = PromptEncoder(repo / "text_encoder" / "1", where)
+    jobs = []
+    for rid, prompt, seed, steps in (("a", "a red fox", 3, 5), ("b", "a blue bird", 4, 4)):
+        params = validate({"prompt": prompt, "steps": steps, "width": 64, "height": 64, "seed": seed}, Limits())
+        jobs.append((rid, params, *encoder.encode(params)))
+    out = []
+    for engine in engines:
+        with engine.on_stream():
+            a = engine.start(DenoiseJob(*jobs[0]))
+            engine.step([a])
+            engine.step([a])
+            b = engine.start(DenoiseJob(*jobs[1], loras=((lora, 1.0),)))
+            engine.step([b, a])  # b joins, with its own LoRA: a mixed batch (eager, unmerged terms)
+            engine.step([b, a])
+            engine.step([a])  # base weights again, a alone
+            engine.step([b])  # b alone: its LoRA merged, in the same 2-row bucket as a
+            engine.step([b])
+        out.append([torch.from_numpy(engine.result(s)) for s in (a, b)])
+    for got, want in zip(out[1], out[0]):
+        assert rel_err(got, want) <= 1e-4
+    assert fast_runtime.stats.graph_steps == 5  # the two mixed steps ran eager
+
+
 def test_bucket_miss_runs_eager_or_captures(repo):
     eager, fast = runtimes(repo, "fp16", RuntimeConfig(kind="graphs", row_buckets=(2,), capture_on_miss=False))
     b = batch(eager.weights_module, 2, h=9, w=13)  # no bucket for 9x13 and misses are not captured

@@ -9,6 +9,7 @@ StableDiffusionXLPipeline.__call__, written out for many requests at once.
 from __future__ import annotations
 
 import inspect
+import itertools
 import json
 import time
 from concurrent.futures import Future
@@ -92,6 +93,9 @@ class LatentSnapshot:
         return self.host.numpy()
 
 
+_SERIALS = itertools.count()  # a RequestState's serial: unique for the process's lifetime
+
+
 @dataclass
 class RequestState:
     job: DenoiseJob
@@ -110,6 +114,7 @@ class RequestState:
     lora_step: int | None = None  # the step from which its LoRAs were applied
     # The vectorized sampler (engine/samplers.py); None: diffusers' own scheduler steps this request.
     plan: SamplerPlan | None = None
+    serial: int = field(default_factory=_SERIALS.__next__)  # names its text rows (StepBatch.text_key)
 
     @property
     def rows(self) -> int:
@@ -211,8 +216,10 @@ class TorchDenoiser:
         pending = self._submit_controls(states, sample, timestep)  # run beside the encoder half
         if self.controlnet_mode == "pipelined":
             pending = self._pipeline(states, pending)
+        lora_segments = self._loras(states)  # (merges first: the text key names the merged set)
         batch = StepBatch(sample, timestep, embeds, torch.cat([s.pooled for s in states]),
-                          torch.cat([s.time_ids for s in states]), lora_segments=self._loras(states))
+                          torch.cat([s.time_ids for s in states]), lora_segments=lora_segments,
+                          text_key=(self.merged, tuple(s.serial for s in states)))
         clock = self.clock
         clock.mark(ENCODER)
         enc = self.runtime.encode(batch)

@@ -85,6 +85,10 @@ class StepBatch:
     pooled: torch.Tensor  # [rows, pooled dim]
     time_ids: torch.Tensor  # [rows, 6]
     lora_segments: tuple[LoraSegment, ...] = ()  # empty: base weights, or one merged set for all
+    # Names the text rows and the weights: a later batch with an equal key has the same text in
+    # the same rows under the same weights, so a runtime may reuse what it derived from them (the
+    # fast runtime's text K/V projections). None: nothing is reused.
+    text_key: tuple | None = None
     token_masks: torch.Tensor | None = None  # [rows, h*w], True where a token is computed
     patches: PatchLayout | None = None
 

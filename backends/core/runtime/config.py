@@ -34,6 +34,9 @@ class RuntimeConfig:
     # graphs 44.7 ms against 36.6 with the fused kernels (eager GroupNorm is slow in channels_last).
     channels_last: bool | None = None
     fused_kernels: bool = False  # plugins/: fused GroupNorm+SiLU and GEGLU
+    # Graphs and compiled: self-attention's Q, K, V as one product, and cross-attention's text K/V
+    # computed once per batch composition instead of every step (runtime/packed_attention.py).
+    packed_attention: bool = True
     # inductor's on-disk cache, relative to the model's version folder (or absolute).
     compile_cache: str = "compile_cache"
 

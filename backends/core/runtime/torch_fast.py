@@ -17,6 +17,10 @@ What runs eager instead (through the eager runtime over the very same modules an
 LoRA merges write into the weights' own memory, so captured graphs see them (tested on the GPU).
 All graphs of a runtime share one memory pool: they never run concurrently, and the static
 buffers stay referenced, so the pool never hands them out twice.
+
+With `packed_attention` (the default) the halves take the text's cross-attention keys and values
+(runtime/packed_attention.py) in place of the text: one buffer for all buckets, recomputed only
+when the batch's `text_key` changes (a request joins or leaves, a LoRA merge) or on `refit`.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 from backends.core.runtime.base import EncoderOut, Residuals, RuntimeCaps, StepBatch, check_batch, refit_in_place
 from backends.core.runtime.config import RuntimeConfig
+from backends.core.runtime.packed_attention import pack_attention
 from backends.core.runtime.torch_eager import EagerUNetRuntime
 
 log = logging.getLogger(__name__)
@@ -40,7 +45,9 @@ WARMUP_RUNS = 2  # before a capture: cuDNN/cuBLAS pick their algorithms, compile
 class _Bucket:
     """Static buffers and captured graphs of one (h, w, rows, tokens)."""
 
-    def __init__(self, template: StepBatch, rows: int, channels_last: bool):
+    def __init__(self, template: StepBatch, rows: int, channels_last: bool, text: torch.Tensor | None):
+        """`text`: the rows' packed text projections (a view of the runtime's shared buffer, which
+        the runtime fills), or None: the bucket holds the text itself."""
         def like(t, memory_format=torch.contiguous_format):
             return torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=t.device).contiguous(
                 memory_format=memory_format)
@@ -48,7 +55,8 @@ class _Bucket:
         self.rows = rows
         self.sample = like(template.sample, torch.channels_last if channels_last else torch.contiguous_format)
         self.timestep = like(template.timestep)
-        self.text = like(template.text)
+        self.owns_text = text is None
+        self.text = like(template.text) if text is None else text
         self.pooled = like(template.pooled)
         self.time_ids = like(template.time_ids)
         self.encoder: torch.cuda.CUDAGraph | None = None
@@ -57,8 +65,11 @@ class _Bucket:
 
     def load(self, batch: StepBatch) -> None:
         n = batch.rows
-        for buf, src in ((self.sample, batch.sample), (self.timestep, batch.timestep), (self.text, batch.text),
-                         (self.pooled, batch.pooled), (self.time_ids, batch.time_ids)):
+        pairs = [(self.sample, batch.sample), (self.timestep, batch.timestep), (self.pooled, batch.pooled),
+                 (self.time_ids, batch.time_ids)]
+        if self.owns_text:
+            pairs.append((self.text, batch.text))
+        for buf, src in pairs:
             buf[:n].copy_(src, non_blocking=True)
 
 
@@ -83,6 +94,11 @@ class FastUNetRuntime:
             log.info("fused kernels: %s", use_fused_kernels(self.weights_module))
         if config.uses_channels_last:
             self.weights_module.to(memory_format=torch.channels_last)
+        # After any .to(): the packed weights are views that a move would copy apart.
+        self.text_projections = pack_attention(self.weights_module) if config.packed_attention else None
+        self._text: dict[int, torch.Tensor] = {}  # text tokens -> packed projections, rows of the largest bucket
+        self._text_key: dict[int, tuple] = {}  # text tokens -> (the batch's text_key, weights version) they hold
+        self._weights_version = 0
         self.enc_fn, self.dec_fn = eager.encoder, eager.decoder
         if config.kind == "compiled":
             self._compile(cache_root)
@@ -118,6 +134,7 @@ class FastUNetRuntime:
         if bucket is None:
             return self.eager.encode(batch)
         bucket.load(batch)
+        self._load_text(batch, bucket)
         bucket.encoder.replay()
         self.stats.graph_steps += 1
         n = batch.rows
@@ -142,6 +159,20 @@ class FastUNetRuntime:
 
     def refit(self, weights: Mapping[str, torch.Tensor]) -> None:
         refit_in_place(self.weights_module, weights)
+        self._weights_version += 1  # the text projections were made with the old weights
+
+    def text_input(self, batch: StepBatch) -> torch.Tensor:
+        """What the halves take for the batch's text: its packed projections, or the text itself."""
+        return batch.text if self.text_projections is None else self.text_projections.project(batch.text)
+
+    def _load_text(self, batch: StepBatch, bucket: _Bucket) -> None:
+        if bucket.owns_text:
+            return
+        tokens = batch.text.shape[1]
+        key = (batch.text_key, self._weights_version)
+        if batch.text_key is None or self._text_key.get(tokens) != key:
+            self.text_projections.project(batch.text, out=bucket.text[:batch.rows])
+            self._text_key[tokens] = key
 
     # --- buckets ---
 
@@ -184,13 +215,26 @@ class FastUNetRuntime:
 
     def _capture(self, batch: StepBatch, rows: int) -> _Bucket:
         start = time.perf_counter()
-        bucket = _Bucket(batch, rows, self.config.uses_channels_last)
+        bucket = _Bucket(batch, rows, self.config.uses_channels_last, self._text_rows(batch, rows))
         bucket.load(batch)
+        self._load_text(batch, bucket)
         args = (bucket.sample, bucket.timestep, bucket.text, bucket.pooled, bucket.time_ids)
         bucket.encoder, bucket.enc_out = _graphed(self.enc_fn, args, self.pool, self.caps.compiled)
         self.buckets[self._key(batch, rows)] = bucket
         self._captured(start, "encoder", rows)
         return bucket
+
+    def _text_rows(self, batch: StepBatch, rows: int) -> torch.Tensor | None:
+        """The first `rows` rows of the shared packed-text buffer (None: not packing). One buffer
+        serves every bucket: graphs never run concurrently, and a bucket reads only its rows."""
+        if self.text_projections is None:
+            return None
+        tokens = batch.text.shape[1]
+        if tokens not in self._text:
+            most = max(self.config.row_buckets)
+            self._text[tokens] = torch.zeros((most, tokens, self.text_projections.width), dtype=batch.text.dtype,
+                                             device=batch.text.device)
+        return self._text[tokens][:rows]
 
     def _capture_decoder(self, bucket: _Bucket, with_res: bool, force: bool = False) -> bool:
         if with_res in bucket.decoders:
