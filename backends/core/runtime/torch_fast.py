@@ -19,7 +19,7 @@ All graphs of a runtime share one memory pool: they never run concurrently, and 
 buffers stay referenced, so the pool never hands them out twice.
 
 With `packed_attention` (the default) the halves take the text's cross-attention keys and values
-(runtime/packed_attention.py) in place of the text: one buffer for all buckets, recomputed only
+(runtime/packed_attention.py) in place of the text: one buffer per row count, recomputed only
 when the batch's `text_key` changes (a request joins or leaves, a LoRA merge) or on `refit`.
 """
 
@@ -96,8 +96,10 @@ class FastUNetRuntime:
             self.weights_module.to(memory_format=torch.channels_last)
         # After any .to(): the packed weights are views that a move would copy apart.
         self.text_projections = pack_attention(self.weights_module) if config.packed_attention else None
-        self._text: dict[int, torch.Tensor] = {}  # text tokens -> packed projections, rows of the largest bucket
-        self._text_key: dict[int, tuple] = {}  # text tokens -> (the batch's text_key, weights version) they hold
+        # (rows, text tokens) -> the packed projections buckets of that many rows read, shared by
+        # every latent size, and (the batch's text_key, weights version) they hold.
+        self._text: dict[tuple[int, int], torch.Tensor] = {}
+        self._text_key: dict[tuple[int, int], tuple] = {}
         self._weights_version = 0
         self.enc_fn, self.dec_fn = eager.encoder, eager.decoder
         if config.kind == "compiled":
@@ -168,11 +170,11 @@ class FastUNetRuntime:
     def _load_text(self, batch: StepBatch, bucket: _Bucket) -> None:
         if bucket.owns_text:
             return
-        tokens = batch.text.shape[1]
+        where = (bucket.rows, batch.text.shape[1])
         key = (batch.text_key, self._weights_version)
-        if batch.text_key is None or self._text_key.get(tokens) != key:
+        if batch.text_key is None or self._text_key.get(where) != key:
             self.text_projections.project(batch.text, out=bucket.text[:batch.rows])
-            self._text_key[tokens] = key
+            self._text_key[where] = key
 
     # --- buckets ---
 
@@ -225,16 +227,16 @@ class FastUNetRuntime:
         return bucket
 
     def _text_rows(self, batch: StepBatch, rows: int) -> torch.Tensor | None:
-        """The first `rows` rows of the shared packed-text buffer (None: not packing). One buffer
-        serves every bucket: graphs never run concurrently, and a bucket reads only its rows."""
+        """The packed-projection buffer of buckets of `rows` rows (None: not packing). Latent
+        sizes share it: graphs never run concurrently, and it is 77 x 166,400 fp16 a row for SDXL
+        (25.6 MB), so a buffer per bucket would multiply that by the warmed sizes."""
         if self.text_projections is None:
             return None
-        tokens = batch.text.shape[1]
-        if tokens not in self._text:
-            most = max(self.config.row_buckets)
-            self._text[tokens] = torch.zeros((most, tokens, self.text_projections.width), dtype=batch.text.dtype,
-                                             device=batch.text.device)
-        return self._text[tokens][:rows]
+        where = (rows, batch.text.shape[1])
+        if where not in self._text:
+            self._text[where] = torch.zeros((*where, self.text_projections.width), dtype=batch.text.dtype,
+                                            device=batch.text.device)
+        return self._text[where]
 
     def _capture_decoder(self, bucket: _Bucket, with_res: bool, force: bool = False) -> bool:
         if with_res in bucket.decoders:
