@@ -123,14 +123,12 @@ def params_tensor(params: GenerateParams):
 def remaining_us(timeout_us: int, params: GenerateParams, what: str) -> int:
     """What is left of the client's deadline, in microseconds (0: none), for the denoiser.
 
-    Why a deadline and not Triton's cancellation: in Triton 2.51 a client's cancel (gRPC cancel()
-    or its deadline) marks the ensemble's request only; the step requests already running
-    (generate's) never see request.is_cancelled() turn true, and a BLS request cannot be cancelled
-    at all (no cancel() on its response iterator before 24.11): measured, the denoiser kept
-    stepping. The request's `timeout` (the protocol's timeout parameter, in microseconds; Easel's
-    client sends its deadline there) does reach every step. So the denoiser gets what remains of
-    it and drops the request at the first step boundary past it (backends/core/engine/loop.py).
-    (easel_stream, a top-level model, also sees its client's cancel: it tells the denoiser.)
+    The request's `timeout` (the protocol's timeout parameter, in microseconds; Easel's client
+    sends its deadline there) is the one deadline an HTTP client can give: HTTP has no cancel. So
+    the denoiser gets what remains of it and drops the request at the first step boundary past it
+    (backends/core/engine/loop.py); a gRPC client's own cancel or deadline reaches it too, by the
+    public model's watcher (backends/bls_pipeline.py). A BLS request cannot be cancelled in 2.51
+    (no cancel() on its response iterator before 24.11), so a timeout is what a BLS caller can pass.
     `timeout_us`: the request's timeout(), the client's whole deadline."""
     if not timeout_us:
         return 0
@@ -143,16 +141,16 @@ def remaining_us(timeout_us: int, params: GenerateParams, what: str) -> int:
 
 
 # Triton 2.51 hands a decoupled model's error responses to its BLS caller with code INTERNAL
-# whatever code they were sent with (seen: the denoiser sent INVALID_ARG, generate got INTERNAL).
+# whatever code they were sent with (seen: the denoiser sent INVALID_ARG, its caller got INTERNAL).
 # So our decoupled models also mark the code in the message, and the caller restores the code
 # from the mark (ForwardedError).
 MARKS = {"[invalid input] ": "INVALID_ARG", "[not found] ": "NOT_FOUND", "[unavailable] ": "UNAVAILABLE",
          "[cancelled] ": "CANCELLED"}  # (pb_utils' codes exist only once the stub runs a model: by name)
 INVALID_MARK = "[invalid input] "
 # Any model's errors reach a BLS caller as INTERNAL in 2.51, a plain model's too (seen: preprocess's
-# INVALID_ARG reached easel_stream as INTERNAL). A BLS caller that passes on statuses (easel_stream)
-# sends this request parameter, and the model marks its errors for it; the ensemble, whose steps
-# keep their codes, and clients never see a mark.
+# INVALID_ARG reached easel_stream as INTERNAL). A BLS caller that passes on statuses (the public
+# models, backends/bls_pipeline.py) sends this request parameter, and the model marks its errors
+# for it; clients never see a mark.
 MARKS_PARAMETER = "easel_marks"
 
 

@@ -1,11 +1,16 @@
-"""Where a request's time goes between the models: Triton's own request traces (TIMESTAMPS level)
-of the `easel` ensemble and its steps, including the BLS call into the denoiser, for a few
-single requests through gRPC.
+"""Where a request's time goes between the models of the `easel` pipeline, for a few single
+requests through gRPC: what each model reports of its own work (`info`: the denoiser's queue, each
+stage's seconds), what Triton counts for each model (its per-model statistics: queue, and compute
+from the inputs' copy in to the outputs' copy out, per request), and what is left of the server's
+total (from preprocess's receipt to postprocess's end): the hand-offs between the models (BLS
+calls, tensor copies through shared memory, the stubs' message queues) and the adapters' Python.
 
-For every model a request passes through: when Triton received it, when the model's execute
-started and ended, and when the response was released; the gaps between one model's end and the
-next one's start are the hand-offs (tensor copies through shared memory, the ensemble scheduler,
-the stubs' message queues). Medians over the requests.
+Why statistics and not Triton's request traces: `easel` calls the models by BLS from a worker
+thread, after its `execute` returned, and those calls cannot be traced under the client's request
+in Triton 2.51 (backends/bls_pipeline.py says why), so a trace holds the `easel` request alone.
+The statistics count every request a model ran, BLS ones included; the server runs only these
+requests while they are taken. The denoiser is decoupled: its statistics cover `execute` (the
+enqueue) only, hence its own account.
 
     python3 -m bench.pipeline_trace --work /tmp/easel-trace --out $OUT/pipeline_trace.json [--runtime graphs]
     python3 -m bench.pipeline_trace --work /tmp/easel-trace --out /tmp/t.json --cpu   # the tiny model
@@ -17,64 +22,38 @@ import json
 import logging
 import statistics
 import time
-from collections import defaultdict
-from pathlib import Path
 
 from bench.common import bench_parser, random_sdxl, start_logging, tiny
 
 log = logging.getLogger("bench.pipeline_trace")
-# Triton's timestamps per traced request, in the order they happen.
-EVENTS = ("REQUEST_START", "QUEUE_START", "COMPUTE_START", "COMPUTE_END", "REQUEST_END")
+# The models `easel` calls one after the other, but the denoiser (see above).
+STAGES = ("preprocess", "text_encoder", "vae_decoder", "postprocess")
+PARTS = ("queue", "compute_input", "compute_infer", "compute_output")
 
 
-def read_traces(path: Path) -> list[dict]:
-    """Triton's trace file: a JSON list of entries {id, model_name, parent_id?} and {id, timestamps},
-    merged per trace id; the file may hold several lists when written in pieces."""
-    text = path.read_text().strip()
-    chunks = json.loads("[" + text.replace("][", ",").strip("[]") + "]") if text else []
-    traces: dict[int, dict] = defaultdict(lambda: {"timestamps": {}})
-    for entry in chunks:
-        trace = traces[entry["id"]]
-        for key in ("model_name", "parent_id"):
-            if key in entry:
-                trace[key] = entry[key]
-        for stamp in entry.get("timestamps", ()):
-            trace["timestamps"].setdefault(stamp["name"], int(stamp["ns"]))
-    return [dict(t, id=i) for i, t in traces.items()]
+def model_totals(client) -> dict[str, dict[str, int]]:
+    """Per model: requests run and nanoseconds spent in each of PARTS, since the server started."""
+    out = {}
+    for model in client.get_inference_statistics(as_json=True).get("model_stats", ()):
+        stats = model.get("inference_stats", {})
+        row = {"count": int(stats.get("success", {}).get("count", 0))}
+        row.update({part: int(stats.get(part, {}).get("ns", 0)) for part in PARTS})
+        totals = out.setdefault(model["name"], dict.fromkeys(row, 0))
+        for key, value in row.items():
+            totals[key] += value  # summed over versions
+    return out
 
 
-def request_timelines(traces: list[dict]) -> list[list[dict]]:
-    """One timeline per top-level `easel` request: it and every trace under it, by start time."""
-    by_parent = defaultdict(list)
-    for t in traces:
-        by_parent[t.get("parent_id")].append(t)
-
-    def under(trace):
-        out = [trace]
-        for child in by_parent.get(trace["id"], ()):
-            out += under(child)
-        return out
-
-    roots = [t for t in traces if t.get("model_name") == "easel" and not t.get("parent_id")]
-    return [sorted(under(r), key=lambda t: t["timestamps"].get("REQUEST_START", 0)) for r in roots]
-
-
-def summarize(timeline: list[dict]) -> dict:
-    """Seconds per model (execute), and the gap before each model's execute since the previous
-    model's execute ended (the hand-off), relative to the ensemble's own REQUEST_START."""
-    root = timeline[0]["timestamps"]
-    t0 = root["REQUEST_START"]
-    out = {"total_s": (root["REQUEST_END"] - t0) / 1e9, "models": []}
-    previous_end = t0
-    for t in timeline[1:]:
-        ts = t["timestamps"]
-        if "COMPUTE_START" not in ts:
-            continue
-        out["models"].append({"model": t["model_name"], "start_s": (ts["COMPUTE_START"] - t0) / 1e9,
-                              "compute_s": (ts["COMPUTE_END"] - ts["COMPUTE_START"]) / 1e9,
-                              "gap_before_s": (ts["COMPUTE_START"] - previous_end) / 1e9})
-        previous_end = max(previous_end, ts["COMPUTE_END"])
-    out["after_last_s"] = (root["REQUEST_END"] - previous_end) / 1e9
+def per_request(before: dict, after: dict) -> dict[str, dict[str, float]]:
+    """Seconds per request in each model, between two model_totals."""
+    out = {}
+    for name, end in after.items():
+        start = before.get(name, dict.fromkeys(end, 0))
+        count = end["count"] - start["count"]
+        if count:
+            row = {part: (end[part] - start[part]) / count / 1e9 for part in PARTS}
+            out[name] = {"requests": count, "queue_s": row["queue"],
+                         "compute_s": row["compute_input"] + row["compute_infer"] + row["compute_output"]}
     return out
 
 
@@ -85,6 +64,8 @@ def main() -> None:
     p.add_argument("--cpu", action="store_true", help="the tiny model on CPU (a smoke run of this script)")
     args = p.parse_args()
     start_logging()
+
+    import tritonclient.grpc as grpcclient
 
     from clients.client import EaselClient
     from clients.serve import TritonServer
@@ -100,46 +81,33 @@ def main() -> None:
                                 warmup_sizes=(size,))
     repo = args.work / f"repo-{'cpu' if args.cpu else args.runtime}"
     export_repository(model, repo, options)
-    trace_file = args.work / "trace.json"
-    trace_file.unlink(missing_ok=True)
-    tracing = ("--trace-config=level=TIMESTAMPS", "--trace-config=rate=1", "--trace-config=count=-1",
-               "--trace-config=mode=triton", f"--trace-config=triton,file={trace_file}",
-               "--trace-config=triton,log-frequency=0")
-    server = TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=900,
-                          extra_args=tracing).start()
     latencies, infos = [], []
-    try:
-        server.wait_ready()
+    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=900) as server:
+        stats = grpcclient.InferenceServerClient(server.url_grpc)
         with EaselClient(server.url_grpc, protocol="grpc") as client:
             client.generate("warm up", steps=2, seed=0, width=size, height=size)
+            before = model_totals(stats)
             for seed in range(args.runs):
                 start = time.perf_counter()
                 result = client.generate("a yellow car", steps=args.steps, seed=seed, width=size, height=size)
                 latencies.append(time.perf_counter() - start)
                 infos.append(result.info)
-    finally:
-        server.stop()  # tritonserver writes the trace file as it exits (log-frequency 0)
-    timelines = request_timelines(read_traces(trace_file))[1:]  # the warm-up request first
-    summaries = [summarize(t) for t in timelines]
-    models = [m["model"] for m in summaries[0]["models"]] if summaries else []
+            models = per_request(before, model_totals(stats))
+    stages = {stage: statistics.median(i["stages_s"][stage] for i in infos) for stage in infos[0]["stages_s"]}
+    median = {"client_s": statistics.median(latencies), "total_s": statistics.median(i["total_s"] for i in infos),
+              "denoiser_queue_s": statistics.median(i["queue_s"] for i in infos), "stages_s": stages,
+              "between_models_s": statistics.median(
+                  i["total_s"] - i["queue_s"] - sum(i["stages_s"].values()) for i in infos)}
+    for name in STAGES:
+        if name in models:
+            log.info("%-13s queue %.4f s, compute %.4f s a request (Triton's count)", name, models[name]["queue_s"],
+                     models[name]["compute_s"])
+    log.info("their own accounts: denoiser queue %.4f s, %s", median["denoiser_queue_s"],
+             ", ".join(f"{stage} {seconds:.4f}" for stage, seconds in stages.items()))
+    log.info("server total %.4f s, of which between the models %.4f s; client %.4f s", median["total_s"],
+             median["between_models_s"], median["client_s"])
     report = {"size": size, "steps": args.steps, "runtime": "eager" if args.cpu else args.runtime,
-              "client_s": latencies, "infos": infos, "requests": summaries, "median": {}}
-    for i, name in enumerate(models):
-        rows = [s["models"][i] for s in summaries if len(s["models"]) > i and s["models"][i]["model"] == name]
-        report["median"][f"{i}:{name}"] = {k: statistics.median(r[k] for r in rows)
-                                           for k in ("start_s", "compute_s", "gap_before_s")}
-        log.info("%-14s starts at %.4f s, computes %.4f s, after a gap of %.4f s", name,
-                 *report["median"][f"{i}:{name}"].values())
-    if summaries:
-        report["median"]["total_s"] = statistics.median(s["total_s"] for s in summaries)
-        report["median"]["after_last_s"] = statistics.median(s["after_last_s"] for s in summaries)
-        # The denoiser's BLS request is not traced: the models' own account of it instead.
-        in_denoiser = statistics.median(i["queue_s"] + i["stages_s"]["denoise_s"] for i in infos)
-        report["median"]["in_denoiser_s"] = in_denoiser
-        log.info("generate's execute less the denoiser's queue + steps: %.4f s",
-                 report["median"].get("2:generate", {}).get("compute_s", float("nan")) - in_denoiser)
-        log.info("ensemble total %.4f s (after the last model %.4f s); client %.4f s", report["median"]["total_s"],
-                 report["median"]["after_last_s"], statistics.median(latencies))
+              "client_s": latencies, "infos": infos, "models": models, "median": median}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))
     log.info("wrote %s", args.out)

@@ -197,8 +197,8 @@ class EaselClient:
         inputs = build_inputs(request, self.protocol)
         outputs = [self._mod.InferRequestedOutput(n) for n in ("image", "info")]
         # The deadline goes to the server too, as the request's timeout (microseconds): that is
-        # what stops the denoiser at its next step once the deadline passes (Triton 2.51 does not
-        # pass a client's cancel on to the models already running; backends/easel_generate says more).
+        # what stops the denoiser at its next step once the deadline passes, also over HTTP, which
+        # has no cancel (backends/bls_pipeline.py says more).
         kwargs: dict[str, Any] = {"timeout": int((timeout_s or self.timeout_s) * 1e6)}
         client = self._client
         if self.protocol == "grpc":

@@ -1,4 +1,4 @@
-"""The OpenAI images API in front of the `easel` ensemble: `easel openai --triton HOST:PORT`.
+"""The OpenAI images API in front of Triton's `easel` model: `easel openai --triton HOST:PORT`.
 
 Serves `POST /v1/images/generations` (the OpenAI request body, plus Easel's own parameters as
 extra fields) and `GET /v1/models`, and forwards each image to Triton over gRPC with
@@ -156,7 +156,6 @@ def status_name(status: str | None) -> str | None:
 def clean_message(message: str) -> str:
     """A Triton message as a client may see it: no filesystem paths, bounded length."""
     message = _PATH_RE.sub("<path>", message).strip()
-    message = re.sub(r"^in ensemble '[^']*', ", "", message)  # Triton's prefix: says nothing here
     return message[:1000]
 
 
@@ -235,7 +234,7 @@ def _generate_kwargs(body: ImageGenerationRequest) -> dict[str, Any]:
 
 def create_app(triton_url: str, *, model: str = MODEL, max_n: int = DEFAULT_MAX_N,
                timeout_s: float | None = None, max_workers: int = 32) -> FastAPI:
-    """The API, forwarding to the `model` ensemble of the Triton at `triton_url` (gRPC,
+    """The API, forwarding each image to model `model` of the Triton at `triton_url` (gRPC,
     HOST:PORT). `max_n`: images per request; `timeout_s`: each image's deadline (default the
     client's); `max_workers`: Triton requests in flight from this process at once."""
     client = EaselClient(triton_url, protocol="grpc", model=model, timeout_s=timeout_s)

@@ -45,8 +45,8 @@ RESTRICTED_APIS = ("shared-memory", "logging", "trace", "model-repository")
 # The drain flag: a file whose path the server's environment carries; `preprocess` refuses every
 # request with UNAVAILABLE while it exists (backends/easel_preprocess/model.py).
 DRAIN_FLAG_ENV = "EASEL_DRAIN_FLAG"
-# What marks a model clients call (and the drain switches): `easel` and `easel_stream` (its backend).
-PUBLIC_CONFIG = r'^\s*(platform\s*:\s*"ensemble"|backend\s*:\s*"easel_stream")'
+# What marks a model clients call (and the drain switches): `easel` and `easel_stream` (their backend).
+PUBLIC_CONFIG = r'^\s*backend\s*:\s*"easel_pipeline"'
 DRAIN_FLAG_FILE = "draining"
 
 
@@ -182,7 +182,7 @@ class TritonServer:
             "--exit-on-error=true",
             "--strict-readiness=true",
             # Explicit model control with every model loaded at start, as mode "none" would:
-            # draining unloads the public ensembles (see drain()), which only this mode allows.
+            # draining loads and unloads the public models (see drain()), which only this mode allows.
             "--model-control-mode=explicit",
             "--load-model=*",
             *([f"--http-restricted-api={restricted}",
@@ -384,17 +384,17 @@ class TritonServer:
             return e.code, e.read()
 
     def public_models(self) -> list[str]:
-        """The entry points clients call: the repository's ensembles and `easel_stream` (a
-        decoupled model that runs the pipeline by BLS, with a spare version like the ensemble's)."""
+        """The entry points clients call: `easel` and `easel_stream`, which run the pipeline by BLS
+        (backends/bls_pipeline.py)."""
         return sorted(cfg.parent.name for cfg in Path(self.repo).glob("*/config.pbtxt")
                       if re.search(PUBLIC_CONFIG, cfg.read_text(errors="replace"), re.M))
 
     def drain(self, timeout: float) -> bool:
         """Stop admitting requests, let every admitted one finish; True when none is left.
 
-        Triton's own shutdown cannot drain an ensemble: it stops every model at once, so the
+        Triton's own shutdown cannot drain a pipeline: it stops every model at once, so the
         later steps of a request in flight (new internal requests) are refused. So, first:
-        - the drain flag: from now on `preprocess`, the ensemble's first step, refuses every
+        - the drain flag: from now on `preprocess`, the pipeline's first step, refuses every
           request with UNAVAILABLE / 503 (retry elsewhere), at once;
         - each public model switches to its spare version (export: `easel` and `easel_stream`
           serve version 1 and have an identical version 2), loaded with a config override.

@@ -12,7 +12,7 @@ What it watches, every `poll_s`:
 
 Either way it restarts tritonserver rather than reloading the one model. A dead stub takes its
 state with it (the running batch, merged LoRAs, resident ControlNets), and the requests waiting
-on it (the ensemble's and the BLS callers') hang: Triton has no call that fails them, short of
+on it (the public models' BLS calls) hang: Triton has no call that fails them, short of
 stopping the server. SIGKILL fails them at once (clients see UNAVAILABLE), and a fresh start
 has a known state; the price is a full start (the compile cache keeps that short on GPUs).
 

@@ -54,7 +54,8 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--max-steps", type=int, default=150)
     exp.add_argument("--default-steps", type=int, default=30)
     exp.add_argument("--generate-instances", type=int, default=8,
-                     help="requests that can be in the denoisers at once")
+                     help="with --max-queue, the requests each public model (easel, easel_stream) runs at once: "
+                          "their sum; past it a request is refused at once with UNAVAILABLE")
     exp.add_argument("--max-batch-rows", type=int, default=16, help="UNet batch rows per denoising step")
     exp.add_argument("--max-queue", type=int, default=48,
                      help="requests a denoiser holds waiting beyond its running set; past it a request is "

@@ -24,11 +24,15 @@ from backends.core.runtime.config import RUNTIME_KINDS, RuntimeConfig, default_k
 from backends.core.request.params import Limits
 from backends.core.stages.text_encoding import OPTIONS_FILE
 
-from .triton_config import DRAINING_VERSION, Instances, ensemble, python_model
+from .triton_config import DRAINING_VERSION, Instances, python_model
 
 log = logging.getLogger(__name__)
 
 VERSION = "1"
+# Models earlier exports wrote and this one does not: `generate` (the ensemble's hand-off to the
+# denoisers, before the public models ran the pipeline by BLS). A stale folder would keep
+# tritonserver from starting (its backend is gone), so an export into the same folder removes it.
+RETIRED_MODELS = ("generate",)
 
 
 @dataclass(frozen=True)
@@ -40,7 +44,9 @@ class ExportOptions:
     max_size: int = 2048
     max_steps: int = 150
     default_steps: int = 30
-    generate_instances: int = 8  # requests that can wait on denoisers at once
+    # With max_queue, what each public model runs at once: generate_instances + max_queue requests
+    # (past it: UNAVAILABLE at once).
+    generate_instances: int = 8
     postprocess_instances: int = 4  # image encoders (CPU)
     max_running: int = 16
     max_queue: int = 48  # per denoiser, beyond max_running; past it requests are refused (UNAVAILABLE)
@@ -133,6 +139,8 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
 
     model_dir, repo = Path(model_dir), Path(out_dir)
     repo.mkdir(parents=True, exist_ok=True)
+    for name in RETIRED_MODELS:
+        shutil.rmtree(repo / name, ignore_errors=True)
     dtype = options.resolved_dtype
     log.info("loading %s (%s)", model_dir, dtype)
     pipe = StableDiffusionXLPipeline.from_pretrained(model_dir, dtype=Placement(dtype=dtype).torch_dtype, use_safetensors=True)
@@ -211,19 +219,11 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
         {**engine_params, **checks, "graphs": _flag(options.resolved_runtime != "eager"),
          "fused_kernels": _flag(options.resolved_runtime != "eager")}))
 
-    # CPU-only steps: validation, the BLS hand-off to the denoisers, PNG encoding.
+    # CPU-only steps: validation, PNG encoding.
     cpu = Instances("KIND_CPU", 1)
     model = _fresh_model_dir(repo, "preprocess")
     (model / "config.pbtxt").write_text(python_model(
         "preprocess", "easel_preprocess", contract.PREPROCESS, cpu, {"limits": limits.to_json()}))
-    model = _fresh_model_dir(repo, "generate")
-    (model / "config.pbtxt").write_text(python_model(
-        "generate", "easel_generate", contract.GENERATE, Instances("KIND_CPU", options.generate_instances),
-        {"denoisers": ",".join(names), **checks},
-        # Requests wait here for the denoisers (each instance holds one until its latents come
-        # back): bounded like the denoisers' own queues, so a flood is refused at once. At least
-        # 1: Triton reads max_queue_size 0 as "no bound".
-        max_queue=max(1, options.max_queue)))
     # Image encoding is CPU-bound and single-threaded (PNG: 0.17-0.22 s at 1024 px on the H200
     # host): several instances, so that requests finishing together do not queue behind it.
     model = _fresh_model_dir(repo, "postprocess")
@@ -231,19 +231,17 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
         "postprocess", "easel_postprocess", contract.POSTPROCESS, Instances("KIND_CPU", options.postprocess_instances),
         checks))
 
-    model = _fresh_model_dir(repo, "easel")
-    # Two versions of one ensemble: version 1 serves; `easel serve` drains by switching to
-    # version 2 (export/triton_config.py, SERVING_VERSION).
-    (model / str(DRAINING_VERSION)).mkdir()
-    (model / "config.pbtxt").write_text(ensemble("easel"))
-    # The same pipeline with a response per denoising step (gRPC streaming), run by BLS from a
-    # decoupled model; one thread per stream waits there, up to the requests generate admits.
-    model = _fresh_model_dir(repo, "easel_stream")
-    (model / str(DRAINING_VERSION)).mkdir()
-    (model / "config.pbtxt").write_text(python_model(
-        "easel_stream", "easel_stream", contract.STREAM, cpu,
-        {"denoisers": ",".join(names), "max_streams": str(options.generate_instances + options.max_queue), **checks},
-        decoupled=True, spare_version=True))
+    # The public models: the pipeline by BLS (backends/bls_pipeline.py), unary and streaming. One
+    # instance each runs many requests at once (a thread waits on the models for each), bounded
+    # like the denoisers' own queues so that a flood is refused at once. Each has two versions:
+    # version 1 serves; `easel serve` drains by switching to version 2 (triton_config.SERVING_VERSION).
+    pipeline = {"denoisers": ",".join(names), "max_in_flight": str(options.generate_instances + options.max_queue),
+                **checks}
+    for name, decl, decoupled in (("easel", contract.PUBLIC, False), ("easel_stream", contract.STREAM, True)):
+        model = _fresh_model_dir(repo, name)
+        (model / str(DRAINING_VERSION)).mkdir()
+        (model / "config.pbtxt").write_text(python_model(
+            name, "easel_pipeline", decl, cpu, pipeline, decoupled=decoupled, spare_version=True))
     if options.onnx:
         from .onnx_export import export_repository_onnx
 

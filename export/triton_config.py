@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
-from backends.core.request.contract import PIPELINE, PUBLIC, ModelDecl, TensorDecl
+from backends.core.request.contract import ModelDecl, TensorDecl
 
 
 @dataclass(frozen=True)
@@ -38,13 +38,10 @@ def _quote(value: str) -> str:
 
 
 def python_model(name: str, backend: str, decl: ModelDecl, instances: Instances,
-                 params: dict[str, str] | None = None, decoupled: bool = False, max_queue: int | None = None,
-                 spare_version: bool = False) -> str:
+                 params: dict[str, str] | None = None, decoupled: bool = False, spare_version: bool = False) -> str:
     """A model served by one of our Python-based backends (backends/<backend>/model.py).
-    `max_queue`: requests that may wait for an instance; Triton refuses the next at once with
-    UNAVAILABLE (its dynamic batcher's queue policy: with max_batch_size 0 it batches nothing,
-    it only bounds the queue). `spare_version`: a public model that drains as the ensemble does
-    (it serves SERVING_VERSION; the caller writes the DRAINING_VERSION folder)."""
+    `spare_version`: a public model, which `easel serve` drains by a version switch (it serves
+    SERVING_VERSION; the caller writes the DRAINING_VERSION folder)."""
     parts = [
         f'name: "{name}"',
         f'backend: "{backend}"',
@@ -55,54 +52,17 @@ def python_model(name: str, backend: str, decl: ModelDecl, instances: Instances,
     ]
     if decoupled:
         parts.append("model_transaction_policy { decoupled: true }")
-    if max_queue is not None:
-        parts.append(f"dynamic_batching {{ default_queue_policy {{ max_queue_size: {max_queue} }} }}")
     if spare_version:
         parts.append(f"version_policy: {{ specific: {{ versions: [ {SERVING_VERSION} ] }} }}")
     return "\n".join(parts) + "\n" + _parameters(params or {})
 
 
-@dataclass
-class _Wiring:
-    """Ensemble tensor names: each model output gets a fresh name that later steps read."""
-
-    latest: dict[str, str] = field(default_factory=dict)
-
-    def source(self, name: str) -> str:
-        return self.latest.get(name, name)  # public inputs keep their own names
-
-
-# The public ensemble's version folders: it serves SERVING_VERSION; DRAINING_VERSION (an identical
-# ensemble) is what `easel serve`'s drain switches to, so that Triton keeps the serving version
+# The public models' version folders: each serves SERVING_VERSION; DRAINING_VERSION (the same
+# model) is what `easel serve`'s drain switches to, so that Triton keeps the serving version
 # UNLOADING until its admitted requests finish while new requests still find a model, whose
 # preprocess refuses them with UNAVAILABLE (clients/serve.py, TritonServer.drain).
 SERVING_VERSION = 1
 DRAINING_VERSION = 2
-
-
-def ensemble(name: str = "easel") -> str:
-    wiring = _Wiring()
-    steps = []
-    for index, (model, decl) in enumerate(PIPELINE):
-        inputs = "\n".join(
-            f'      input_map {{ key: "{t.name}" value: "{wiring.source(t.name)}" }}' for t in decl.inputs)
-        outputs = []
-        for t in decl.outputs:
-            last = index == len(PIPELINE) - 1
-            target = t.name if last else f"{t.name}_{index}"
-            outputs.append(f'      output_map {{ key: "{t.name}" value: "{target}" }}')
-            wiring.latest[t.name] = target
-        steps.append(f'    {{\n      model_name: "{model}"\n      model_version: -1\n{inputs}\n'
-                     + "\n".join(outputs) + "\n    }")
-    return "\n".join([
-        f'name: "{name}"',
-        'platform: "ensemble"',
-        "max_batch_size: 0",
-        f"version_policy: {{ specific: {{ versions: [ {SERVING_VERSION} ] }} }}",
-        _tensors("input", PUBLIC.inputs),
-        _tensors("output", PUBLIC.outputs),
-        "ensemble_scheduling {\n  step [\n" + ",\n".join(steps) + "\n  ]\n}",
-    ]) + "\n"
 
 
 def read_parameters(config_path) -> dict[str, str]:

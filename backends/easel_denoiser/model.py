@@ -36,12 +36,12 @@ from backends.core.engine.config import DenoiserConfig  # noqa: E402
 from backends.core.engine.denoiser import DenoiseJob, StepProgress  # noqa: E402
 from backends.core.engine.loop import DenoiseResult, failure_kind  # noqa: E402
 from backends.core.request.adapter_inputs import decode_control_image  # noqa: E402
-from backends.core.request.contract import GENERATE, WIRE_DTYPES, controlnet_decl  # noqa: E402
+from backends.core.request.contract import DENOISE_JOB, WIRE_DTYPES, controlnet_decl  # noqa: E402
 from backends.core.request.params import InvalidInput  # noqa: E402
 from backends.core.runtime.unet_split import num_skips  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
     adapter_store_folder, artifact_folder, code_of, error, failure, input_array, mark, parameters, params_tensor,
-    placement, read_params, scalar, setup_logging)
+    placement, public_message, read_params, scalar, setup_logging)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("backends.easel_denoiser")
@@ -49,8 +49,8 @@ log = logging.getLogger("backends.easel_denoiser")
 CODES = {"cancelled": "CANCELLED", "invalid": "INVALID_ARG", "not_found": "NOT_FOUND", "refused": "UNAVAILABLE"}
 
 
-# The inputs of a denoising request, those generate forwards (a cancel request carries only `cancel`).
-JOB_INPUTS = tuple(t.name for t in GENERATE.inputs)
+# The inputs of a denoising request (a cancel request carries only `cancel`).
+JOB_INPUTS = tuple(t.name for t in DENOISE_JOB)
 
 
 def _scalar(request, name: str):
@@ -71,9 +71,10 @@ class TritonPythonModel:
         self.limits = config.limits
         self.max_pending = config.max_running + config.max_queue
         self.pending: dict[str, tuple] = {}  # request id -> (sender, params)
-        # Progress streams (easel_stream): their cancel flags by the caller's key, and each one's key.
+        # Requests of the public models (backends/bls_pipeline.py): their cancel flags by the caller's
+        # key, and each one's key.
         self.cancels: dict[str, threading.Event] = {}
-        self.keys: dict[str, str] = {}  # request id -> progress key
+        self.keys: dict[str, str] = {}  # request id -> cancel key
         self.request_metrics = RequestMetrics(args)
         self.outbox: queue.Queue[DenoiseResult | StepProgress | None] = queue.Queue()
         self.sender = threading.Thread(target=self._send_loop, name="easel-denoise-sender", daemon=True)
@@ -117,14 +118,14 @@ class TritonPythonModel:
                     if pb_utils.get_input_tensor_by_name(request, name) is None:
                         raise InvalidInput(name, "is required")
                 params = read_params(request, self.limits)
-                timeout_us = request.timeout()  # what is left of the client's deadline (easel_generate)
+                timeout_us = request.timeout()  # what is left of the client's deadline (bls_pipeline)
                 job = DenoiseJob(
                     request_id=uuid.uuid4().hex, params=params,
                     prompt_embeds=pb_utils.get_input_tensor_by_name(request, "prompt_embeds").as_numpy(),
                     pooled_embeds=pb_utils.get_input_tensor_by_name(request, "pooled_embeds").as_numpy(),
                     is_cancelled=sender.is_cancelled, controls=self._controls(request, params),
                     deadline=time.monotonic() + timeout_us / 1e6 if timeout_us else None)
-                self._progress(request, job, sender)
+                self._keyed(request, job, sender)
             except Exception as exc:
                 self.request_metrics.record(failure_kind(exc))
                 sender.send(failure(exc, "denoiser", log, marked=True), flags=FINAL)
@@ -136,29 +137,33 @@ class TritonPythonModel:
                 job.loras_pending = self.denoiser.load_loras(
                     params, on_loaded=lambda stats, rid=rid: self.lora_loads.__setitem__(rid, stats))
                 job.lora_bound = self.denoiser.lora_bound(params)
+            if job.request_id in self.keys:  # admitted: tells the caller a cancel now finds it
+                sender.send(pb_utils.InferenceResponse([]))
             self.loop.submit(job)
         return None
 
-    def _progress(self, request, job: DenoiseJob, sender) -> None:
-        """A request with a `progress_key` gets a response per step (the sender thread sends them,
-        in order with its result) and can be cancelled by a later request naming its key."""
-        key = _scalar(request, "progress_key")
-        if key is None:
-            return
-        if not key or key in self.cancels:
-            raise InvalidInput("progress_key", "is empty or already in use")
-        every = _scalar(request, "preview_every") or 0
-        if not 0 <= every <= self.limits.max_steps:
-            raise InvalidInput("preview_every", f"{every} is outside [0, {self.limits.max_steps}]")
-        cancelled = threading.Event()
-        job.is_cancelled = lambda: sender.is_cancelled() or cancelled.is_set()
-        job.on_step, job.preview_every = self.outbox.put, int(every)
-        self.cancels[key] = cancelled
-        self.keys[job.request_id] = key
+    def _keyed(self, request, job: DenoiseJob, sender) -> None:
+        """A request with a `cancel_key` can be cancelled by a later request naming the key; one
+        with `preview_every` gets a response per step (the sender thread sends them, in order with
+        its result). The unary `easel` asks only for the first: per-step responses would cost it
+        a BLS response each for nothing."""
+        key = _scalar(request, "cancel_key")
+        if key is not None and (not key or key in self.cancels):
+            raise InvalidInput("cancel_key", "is empty or already in use")
+        every = _scalar(request, "preview_every")
+        if every is not None:
+            if not 0 <= every <= self.limits.max_steps:
+                raise InvalidInput("preview_every", f"{every} is outside [0, {self.limits.max_steps}]")
+            job.on_step, job.preview_every = self.outbox.put, int(every)
+        if key is not None:
+            cancelled = threading.Event()
+            job.is_cancelled = lambda: sender.is_cancelled() or cancelled.is_set()
+            self.cancels[key] = cancelled
+            self.keys[job.request_id] = key
 
     def _cancel(self, request, sender) -> None:
-        """easel_stream's client cancelled: the loop drops the request at its next step boundary
-        (its own error response then ends the caller's stream). An unknown key has finished."""
+        """A public model's client cancelled: the loop drops the request at its next step boundary
+        (its own error response then ends the caller's wait). An unknown key has finished."""
         cancelled = self.cancels.get(_scalar(request, "cancel"))
         if cancelled is not None:
             cancelled.set()
@@ -186,7 +191,8 @@ class TritonPythonModel:
                 self._send_progress(result)
                 continue
             sender, params = self.pending.pop(result.request_id)
-            self.cancels.pop(self.keys.pop(result.request_id, ""), None)
+            key = self.keys.pop(result.request_id, None)
+            self.cancels.pop(key, None)
             self.request_metrics.record(result.outcome, result.steps)
             self.request_metrics.other.set("pending", len(self.pending))
             self.metrics.record(self.lora_loads.pop(result.request_id, None), result)
@@ -199,7 +205,12 @@ class TritonPythonModel:
                 else:
                     log.warning("request %s: %s", result.outcome.replace("_", " "), result.error)
                 message = f"denoiser: {result.error}"
-                sender.send(error(mark(message, code) if code is not None else message, code=code), flags=FINAL)
+                message = mark(message, code) if code is not None else message
+                if key is None:
+                    sender.send(error(message, code=code), flags=FINAL)
+                else:  # acknowledged: the error goes in band (contract.DENOISER)
+                    text = np.array([public_message(message).encode()], dtype=np.object_)
+                    sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("error", text)]), flags=FINAL)
                 continue
             params = params.with_trace(queue_s=result.queue_s, denoise_s=result.denoise_s,
                                        max_batch=result.max_batch, denoiser=self.name, lora_step=result.lora_step,

@@ -27,7 +27,7 @@ from backends.triton_adapter import (each_request, error, mark, parameters, para
 log = logging.getLogger("backends.preprocess")
 
 # `easel serve` names a file here (clients/serve.py, TritonServer.drain) and creates it when it
-# starts draining: from then on every request is refused at the ensemble's first step, with
+# starts draining: from then on every request is refused at the pipeline's first step, with
 # UNAVAILABLE (gRPC) / 503 (HTTP), so clients and load balancers retry elsewhere, while the
 # requests already past this step finish.
 DRAIN_FLAG_ENV = "EASEL_DRAIN_FLAG"

@@ -27,7 +27,8 @@ from backends.core.runtime.unet_split import split_unet
 from clients.serve import TritonServer
 from export.repository import ExportOptions, export_repository
 
-MODELS = ("easel", "easel_stream", "preprocess", "text_encoder", "generate", "vae_decoder", "postprocess")
+MODELS = ("easel", "easel_stream", "preprocess", "text_encoder", "vae_decoder", "postprocess")
+PUBLIC_MODELS = ("easel", "easel_stream")
 PICKLE_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"}
 Config = model_config_pb2.ModelConfig
 
@@ -75,15 +76,16 @@ def test_every_config_parses_and_is_named_after_its_folder(repo):
     for name, config in parsed.items():
         assert config.name == name
         assert (repo / name / "1").is_dir()
-        if name != "easel":
-            component = "denoiser" if name.startswith("denoiser") else name.removeprefix("easel_")
-            assert config.backend == f"easel_{component}"
-            assert (Path(__file__).parents[2] / "backends" / config.backend / "model.py").is_file()
+        component = "denoiser" if name.startswith("denoiser") else "pipeline" if name in PUBLIC_MODELS else name
+        assert config.backend == f"easel_{component}"
+        assert (Path(__file__).parents[2] / "backends" / config.backend / "model.py").is_file()
 
 
 def test_configs_declare_the_contract(cpu_repo):
     parsed = configs(cpu_repo)
-    decls = dict(contract.PIPELINE, denoiser=contract.DENOISER, easel_stream=contract.STREAM)
+    decls = dict(easel=contract.PUBLIC, easel_stream=contract.STREAM, preprocess=contract.PREPROCESS,
+                 text_encoder=contract.TEXT_ENCODER, denoiser=contract.DENOISER, vae_decoder=contract.VAE_DECODER,
+                 postprocess=contract.POSTPROCESS)
     for name, decl in decls.items():
         config = parsed[name]
         assert [t.name for t in config.input] == [t.name for t in decl.inputs]
@@ -95,30 +97,21 @@ def test_configs_declare_the_contract(cpu_repo):
         assert [t.optional for t in config.input] == [t.optional for t in decl.inputs]
 
 
-def test_ensemble_steps_connect(repo):
+def test_public_models_run_the_pipeline_on_the_denoisers(repo):
+    """`easel` and `easel_stream` call the other models by BLS (backends/bls_pipeline.py): one
+    instance each, which runs many requests at once, over every denoiser of the repository."""
     parsed = configs(repo)
-    easel = parsed["easel"]
-    assert easel.platform == "ensemble"
-    types = {t.name: (t.data_type, tuple(t.dims)) for t in easel.input}  # ensemble tensor -> type
-    assert set(types) == {t.name for t in contract.PUBLIC.inputs}
-    steps = easel.ensemble_scheduling.step
-    assert [s.model_name for s in steps] == [name for name, _ in contract.PIPELINE]
-    for step in steps:
-        model = parsed[step.model_name]
-        inputs = {t.name: t for t in model.input}
-        outputs = {t.name: t for t in model.output}
-        assert set(step.input_map) == set(inputs), step.model_name  # every input of the model is fed
-        for key, source in step.input_map.items():
-            assert source in types, f"{step.model_name}.{key} reads {source!r}, which nothing produced before"
-            assert types[source] == (inputs[key].data_type, tuple(inputs[key].dims)), (step.model_name, key)
-        assert set(step.output_map) <= set(outputs)
-        for key, target in step.output_map.items():
-            assert target not in types, f"{target!r} is produced twice"
-            types[target] = (outputs[key].data_type, tuple(outputs[key].dims))
-    for out in easel.output:
-        assert out.name in types, f"ensemble output {out.name} is never produced"
-        assert types[out.name] == (out.data_type, tuple(out.dims))
-    assert [o.name for o in easel.output] == ["image", "info"]
+    denoisers = sorted(name for name in parsed if name.startswith("denoiser"))
+    for name in PUBLIC_MODELS:
+        config = parsed[name]
+        assert config.backend == "easel_pipeline"
+        (group,) = config.instance_group
+        assert (model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind), group.count) == ("KIND_CPU", 1)
+        params = params_of(config)
+        assert sorted(params["denoisers"].split(",")) == denoisers
+        assert int(params["max_in_flight"]) == 8 + 48  # generate_instances + max_queue
+        assert params["limits"] == params_of(parsed["preprocess"])["limits"]
+    assert [o.name for o in parsed["easel"].output] == ["image", "info"]
 
 
 @pytest.mark.parametrize("public", ["easel", "easel_stream"])
@@ -136,14 +129,9 @@ def test_only_the_denoisers_and_the_stream_are_decoupled(repo):
         assert config.model_transaction_policy.decoupled == (name.startswith("denoiser") or name == "easel_stream"), name
 
 
-def test_the_stream_takes_easels_inputs_and_knows_the_denoisers(repo):
+def test_the_stream_takes_easels_inputs(repo):
     parsed = configs(repo)
-    stream = parsed["easel_stream"]
-    assert [t.name for t in stream.input] == [t.name for t in parsed["easel"].input] + ["preview_every"]
-    params = params_of(stream)
-    assert params["denoisers"] == params_of(parsed["generate"])["denoisers"]
-    assert params["limits"] == params_of(parsed["preprocess"])["limits"]
-    assert int(params["max_streams"]) == 8 + 48  # generate's instances + its queue
+    assert [t.name for t in parsed["easel_stream"].input] == [t.name for t in parsed["easel"].input] + ["preview_every"]
 
 
 def test_preprocess_limits_follow_the_model(cpu_repo, alt_repo):
@@ -188,7 +176,7 @@ def test_cpu_export_is_fp32_on_cpu(cpu_repo):
     for name, config in parsed.items():
         for group in config.instance_group:
             assert model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind) == "KIND_CPU" and not group.gpus
-    assert params_of(parsed["generate"])["denoisers"] == "denoiser"
+    assert params_of(parsed["easel"])["denoisers"] == "denoiser"
     with safe_open(str(cpu_repo / "denoiser" / "1" / UNET_DIR / ENCODER_FILE), "pt") as f:
         assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F32"}
 
@@ -217,13 +205,21 @@ def test_every_model_that_reads_params_gets_the_limits(tiny_model, tmp_path):
     repo = export_repository(tiny_model, tmp_path / "repo", ExportOptions(max_queue=5))
     parsed = configs(repo)
     limits = params_of(parsed["preprocess"])["limits"]
-    for name in ("text_encoder", "generate", "vae_decoder", "postprocess"):
+    for name in ("text_encoder", "easel", "easel_stream", "vae_decoder", "postprocess"):
         assert params_of(parsed[name])["limits"] == limits, name
     assert DenoiserConfig.from_json(params_of(parsed["denoiser"])["denoiser"]).max_queue == 5
-    # requests waiting for a generate instance are bounded too (Triton refuses past it, UNAVAILABLE)
-    assert parsed["generate"].dynamic_batching.default_queue_policy.max_queue_size == 5
-    repo = export_repository(tiny_model, tmp_path / "repo0", ExportOptions(max_queue=0))
-    assert configs(repo)["generate"].dynamic_batching.default_queue_policy.max_queue_size == 1  # 0: unbounded
+    # the public models' requests in flight are bounded too (past it: UNAVAILABLE at once)
+    for name in PUBLIC_MODELS:
+        assert params_of(parsed[name])["max_in_flight"] == str(8 + 5)
+
+
+def test_an_export_over_an_older_one_removes_retired_models(tiny_model, tmp_path):
+    """A stale `generate` (the ensemble's step, its backend gone) would keep tritonserver from starting."""
+    stale = tmp_path / "repo" / "generate" / "1"
+    stale.mkdir(parents=True)
+    (stale.parent / "config.pbtxt").write_text('name: "generate"\nbackend: "easel_generate"\n')
+    repo = export_repository(tiny_model, tmp_path / "repo")
+    assert not (repo / "generate").exists() and set(MODELS) <= set(configs(repo))
 
 
 def test_cuda_export_writes_one_denoiser_per_gpu(cuda_repo):
@@ -248,7 +244,7 @@ def test_cuda_export_writes_one_denoiser_per_gpu(cuda_repo):
     assert (cuda_repo / "denoiser_gpu0/1" / UNET_DIR / ENCODER_FILE).is_file()
     assert [p for p in (cuda_repo / "denoiser_gpu1").rglob("*") if p.is_file()] == [
         cuda_repo / "denoiser_gpu1" / "config.pbtxt"]
-    assert params_of(parsed["generate"])["denoisers"] == "denoiser_gpu0,denoiser_gpu1"
+    assert params_of(parsed["easel"])["denoisers"] == "denoiser_gpu0,denoiser_gpu1"
     for name in ("text_encoder", "vae_decoder"):
         (group,) = parsed[name].instance_group
         assert model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind) == "KIND_GPU"

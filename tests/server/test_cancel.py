@@ -1,6 +1,6 @@
-"""Cancellation frees the work (issue 11, item 5): once a request's deadline passes, the denoiser
-drops it at its next step boundary. Shown by the denoiser's own counters (the steps it ran, the
-outcome), not only by the client's error."""
+"""Cancellation frees the work (issue 11, item 5): once a request's deadline passes, or its client
+cancels it, the denoiser drops it at its next step boundary. Shown by the denoiser's own counters
+(the steps it ran, the outcome), not only by the client's error."""
 
 from __future__ import annotations
 
@@ -16,10 +16,14 @@ from tests.server.conftest import metric_values
 LONG = dict(seed=1, steps=50, width=256, height=256)  # several seconds of CPU denoising
 
 
+def total(server, name: str) -> float:
+    return sum(metric_values(server, name).values())
+
+
 def counters(server) -> tuple[float, float]:
     cancelled = sum(v for labels, v in metric_values(server, "easel_requests_total").items()
                     if 'outcome="cancelled"' in labels)
-    return cancelled, sum(metric_values(server, "easel_denoise_steps_total").values())
+    return cancelled, total(server, "easel_denoise_steps_total")
 
 
 def wait_for_cancel(server, before: tuple[float, float], timeout: float = 30.0) -> float:
@@ -57,3 +61,26 @@ def test_a_listening_client_gets_cancelled(server):
     assert "deadline passed" in err.value.message()
     assert wait_for_cancel(server, before) < LONG["steps"]
     assert time.monotonic() - start < 30
+
+
+def test_a_grpc_cancel_of_a_unary_request_stops_the_denoiser(server):
+    """A client that cancels its unary gRPC request, with no deadline of its own: `easel` sees the
+    cancel and has the denoiser drop the request at its next step (an ensemble would not: Triton
+    2.51 passes the cancel on to none of its steps)."""
+    before = counters(server)
+    # Steps reach easel_denoise_steps_total when a request ends; the step histogram counts them as
+    # they run (flushed every 0.5 s).
+    ran = total(server, "easel_denoiser_step_rows_count")
+    client = grpcclient.InferenceServerClient(server.url_grpc)
+    inputs = build_inputs(GenerateRequest("a lighthouse", **LONG), "grpc")
+    call = client.async_infer("easel", inputs, callback=lambda result, error: None)
+    end = time.monotonic() + 60
+    while total(server, "easel_denoiser_step_rows_count") < ran + 2:
+        assert time.monotonic() < end, "the denoiser never started the request"
+        time.sleep(0.1)
+    call.cancel()
+    steps = wait_for_cancel(server, before)
+    assert 2 <= steps < LONG["steps"], steps
+    with EaselClient(server.url_grpc, protocol="grpc") as c:
+        assert c.is_ready()
+        assert c.generate("a lighthouse", seed=1, steps=2, width=64, height=64).image().size == (64, 64)

@@ -1,6 +1,6 @@
 """Every internal model re-checks the limits it relies on: Triton cannot hide them, so a client
-that calls generate, the denoiser, text_encoder, vae_decoder or postprocess directly with params
-preprocess would refuse is refused the same way (INVALID_ARGUMENT, naming the field and the limit)."""
+that calls the denoiser, text_encoder, vae_decoder or postprocess directly with params preprocess
+would refuse is refused the same way (INVALID_ARGUMENT, naming the field and the limit)."""
 
 from __future__ import annotations
 
@@ -43,7 +43,6 @@ def _inputs(model: str, params: dict) -> list:
     images = _tensor("control_images", np.array([b""], dtype=np.object_), "BYTES")
     return tensors + {
         "text_encoder": [],
-        "generate": [*embeds, images],
         "denoiser": [*embeds, images],
         "vae_decoder": [_tensor("latents", np.zeros((1, 4, 8, 8), np.float32), "FP32")],
         "postprocess": [_tensor("pixels", np.zeros((64, 64, 3), np.uint8), "UINT8")],
@@ -68,7 +67,7 @@ def call(url: str, model: str, params: dict) -> InferenceServerException:
     return error
 
 
-@pytest.mark.parametrize("model", ["generate", "denoiser", "text_encoder", "vae_decoder", "postprocess"])
+@pytest.mark.parametrize("model", ["denoiser", "text_encoder", "vae_decoder", "postprocess"])
 @pytest.mark.parametrize("overrides, expected", BAD, ids=[str(i) for i in range(len(BAD))])
 def test_internal_models_refuse_params_out_of_limits(server, model, overrides, expected):
     err = call(server.url_grpc, model, {**GOOD, **overrides})

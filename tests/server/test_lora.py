@@ -84,7 +84,7 @@ def test_broken_lora_fails_its_request_alone(shared, name, expected):
         beside = pool.submit(good)
         with pytest.raises(EaselError, match=expected) as err:
             c.generate("a fox", seed=1, steps=8, width=64, height=64, loras=("inkwash", name))
-        # the client's mistake, through the ensemble and BLS; a name the store does not hold: not found
+        # the client's mistake, passed on through BLS; a name the store does not hold: not found
         assert err.value.status == ("404" if "unknown LoRA" in expected else "400")
         assert np.array_equal(beside.result(), alone)
         assert c.is_ready()

@@ -38,7 +38,7 @@ PARAMS = _t("params", "BYTES", 1)  # GenerateParams as JSON, carrying stage timi
 PUBLIC = ModelDecl(
     inputs=(
         # Optional for Triton so that a missing prompt reaches preprocess, which names it in its
-        # error; an ensemble would otherwise stall without a clear message.
+        # error, rather than Triton refusing the request with a message of its own.
         _t("prompt", "BYTES", 1, optional=True),
         _t("negative_prompt", "BYTES", 1, optional=True),
         _t("width", "INT32", 1, optional=True),
@@ -65,25 +65,33 @@ PUBLIC = ModelDecl(
 
 EMBEDS = (_t("prompt_embeds", "FP32", -1, -1, -1), _t("pooled_embeds", "FP32", -1, -1))
 LATENTS = _t("latents", "FP32", 1, -1, -1, -1)
-# Validated control images (encoded as the client sent them), possibly none: always present so
-# that every later step of the ensemble sees the tensor.
+# Validated control images (encoded as the client sent them), possibly none: always present, so
+# that every denoising job carries the tensor.
 CONTROL_IMAGES = _t("control_images", "BYTES", -1)
 PIXELS = _t("pixels", "UINT8", -1, -1, 3)
 
 PREPROCESS = ModelDecl(inputs=PUBLIC.inputs, outputs=(PARAMS, CONTROL_IMAGES))
 TEXT_ENCODER = ModelDecl(inputs=(PARAMS,), outputs=(PARAMS, *EMBEDS))
-GENERATE = ModelDecl(inputs=(PARAMS, *EMBEDS, CONTROL_IMAGES), outputs=(PARAMS, LATENTS))
 
-# Progress (easel_stream): `progress_key` asks the denoiser for one response per step (`step`,
-# and `preview_latents` every `preview_every` steps) before the final one, under a key of the
-# caller's; a later request that carries only `cancel` with that key stops the request at the
-# next step boundary (Triton 2.51 cannot cancel a BLS request; backends/easel_stream says more).
-# Hence the job's inputs are optional for Triton: the denoiser names a missing one itself.
+# A denoiser's request: the job (the tensors it needs, optional for Triton only so that a cancel
+# request may come alone; the denoiser names a missing one itself), and optionally
+# - `cancel_key`, a key of the caller's: a later request that carries only `cancel` with that key
+#   stops the request at the next step boundary (Triton 2.51 cannot cancel a BLS request; the
+#   public models send it, backends/bls_pipeline.py says why). The denoiser answers such a request
+#   first with an empty response once admitted: a BLS caller's exec returns only at a first
+#   response, and from then on a cancel finds the request. Its failure then comes as the final
+#   response's `error` (the marked message, triton_adapter.MARKS): Triton 2.51 never hands a BLS
+#   caller an error response that follows another response of the same request (measured: the
+#   caller's iterator waits forever);
+# - `preview_every`: one response per step (`step`, and `preview_latents` every `preview_every`
+#   steps; 0: never) before the final one (easel_stream). Without it, only the final one.
+DENOISE_JOB = (PARAMS, *EMBEDS, CONTROL_IMAGES)
 PREVIEW_EVERY = _t("preview_every", "INT32", 1, optional=True)
 DENOISER = ModelDecl(
-    inputs=(*(TensorDecl(t.name, t.dtype, t.dims, optional=True) for t in (PARAMS, *EMBEDS, CONTROL_IMAGES)),
-            _t("progress_key", "BYTES", 1, optional=True), PREVIEW_EVERY, _t("cancel", "BYTES", 1, optional=True)),
-    outputs=(PARAMS, LATENTS, _t("step", "INT32", 1), _t("preview_latents", "FP32", 1, -1, -1, -1)),
+    inputs=(*(TensorDecl(t.name, t.dtype, t.dims, optional=True) for t in DENOISE_JOB),
+            _t("cancel_key", "BYTES", 1, optional=True), PREVIEW_EVERY, _t("cancel", "BYTES", 1, optional=True)),
+    outputs=(PARAMS, LATENTS, _t("step", "INT32", 1), _t("preview_latents", "FP32", 1, -1, -1, -1),
+             _t("error", "BYTES", 1)),
 )
 VAE_DECODER = ModelDecl(inputs=(PARAMS, LATENTS), outputs=(PARAMS, PIXELS))
 POSTPROCESS = ModelDecl(inputs=(PARAMS, PIXELS), outputs=PUBLIC.outputs)
@@ -116,13 +124,3 @@ def controlnet_decl(num_skips: int, dtype: str = "FP32") -> ModelDecl:
         outputs=(*(_t(f"down_{i}", dtype, -1, -1, -1, -1) for i in range(num_skips)),
                  _t("mid", dtype, -1, -1, -1, -1)),
     )
-
-
-# The ensemble's steps in order: (model, its declaration).
-PIPELINE = (
-    ("preprocess", PREPROCESS),
-    ("text_encoder", TEXT_ENCODER),
-    ("generate", GENERATE),
-    ("vae_decoder", VAE_DECODER),
-    ("postprocess", POSTPROCESS),
-)
