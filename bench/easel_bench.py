@@ -275,7 +275,7 @@ def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> No
                 log.info("Easel seed %d: %.3fs (denoise %.3fs)", seed, rec["latency_s"][-1],
                          result.info.get("stages_s", {}).get("denoise_s", float("nan")))
         # The server's own total (preprocess in to postprocess out) and the denoiser's queue beside the
-        # stages: the client's time less server_total_s is gRPC and the ensemble's entry and exit.
+        # stages: the client's time less server_total_s is gRPC and the public model's entry and exit.
         stages = [{**(i.get("stages_s") or {}),
                    **{k: v for k, v in (("queue_s", i.get("queue_s")), ("server_total_s", i.get("total_s")))
                       if v is not None}} for i in rec["infos"]]
