@@ -215,7 +215,7 @@ def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> No
     options = ExportOptions(
         device=setup.device, dtype=setup.dtype, gpus=setup.gpus, max_size=max(setup.size, 64),
         max_steps=max(150, setup.steps, setup.throughput_steps), runtime=setup.runtime, warmup_sizes=(setup.size,),
-        generate_instances=max(8, top), max_running=max(16, top), max_batch_rows=max(16, 2 * top),
+        max_in_flight=max(56, top + 48), max_running=max(16, top), max_batch_rows=max(16, 2 * top),
         adapters=str(store) if store else None, max_controlnets=max(3, setup.controlnets),
         max_loras=max(3, setup.loras), controlnet_instances=max(1, setup.controlnets), **extra)
     if 2 * top > max(options.row_buckets):

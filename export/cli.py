@@ -53,9 +53,9 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--max-size", type=int, default=2048, help="largest width/height a request may ask for")
     exp.add_argument("--max-steps", type=int, default=150)
     exp.add_argument("--default-steps", type=int, default=30)
-    exp.add_argument("--generate-instances", type=int, default=8,
-                     help="with --max-queue, the requests each public model (easel, easel_stream) runs at once: "
-                          "their sum; past it a request is refused at once with UNAVAILABLE")
+    exp.add_argument("--max-in-flight", type=int, default=56,
+                     help="requests each public model (easel, easel_stream) runs at once; past it a request is "
+                          "refused at once with UNAVAILABLE")
     exp.add_argument("--max-batch-rows", type=int, default=16, help="UNet batch rows per denoising step")
     exp.add_argument("--max-queue", type=int, default=48,
                      help="requests a denoiser holds waiting beyond its running set; past it a request is "
@@ -114,7 +114,7 @@ def main(argv: list[str] | None = None) -> int:
 
         options = ExportOptions(device=args.device, dtype=args.dtype, gpus=args.gpus, max_size=args.max_size,
                                 max_steps=args.max_steps, default_steps=args.default_steps,
-                                generate_instances=args.generate_instances, max_batch_rows=args.max_batch_rows,
+                                max_in_flight=args.max_in_flight, max_batch_rows=args.max_batch_rows,
                                 max_running=args.max_batch_rows, max_queue=args.max_queue, onnx=args.onnx, adapters=args.adapters,
                                 max_controlnets=args.max_controlnets, max_loras=args.max_loras,
                                 lora_bound_steps=args.lora_bound_steps, lora_loaders=args.lora_loaders,

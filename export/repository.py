@@ -44,9 +44,8 @@ class ExportOptions:
     max_size: int = 2048
     max_steps: int = 150
     default_steps: int = 30
-    # With max_queue, what each public model runs at once: generate_instances + max_queue requests
-    # (past it: UNAVAILABLE at once).
-    generate_instances: int = 8
+    # Requests each public model (easel, easel_stream) runs at once; past it: UNAVAILABLE at once.
+    max_in_flight: int = 56
     postprocess_instances: int = 4  # image encoders (CPU)
     max_running: int = 16
     max_queue: int = 48  # per denoiser, beyond max_running; past it requests are refused (UNAVAILABLE)
@@ -235,7 +234,7 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
     # instance each runs many requests at once (a thread waits on the models for each), bounded
     # like the denoisers' own queues so that a flood is refused at once. Each has two versions:
     # version 1 serves; `easel serve` drains by switching to version 2 (triton_config.SERVING_VERSION).
-    pipeline = {"denoisers": ",".join(names), "max_in_flight": str(options.generate_instances + options.max_queue),
+    pipeline = {"denoisers": ",".join(names), "max_in_flight": str(options.max_in_flight),
                 **checks}
     for name, decl, decoupled in (("easel", contract.PUBLIC, False), ("easel_stream", contract.STREAM, True)):
         model = _fresh_model_dir(repo, name)

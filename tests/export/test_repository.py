@@ -109,7 +109,7 @@ def test_public_models_run_the_pipeline_on_the_denoisers(repo):
         assert (model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind), group.count) == ("KIND_CPU", 1)
         params = params_of(config)
         assert sorted(params["denoisers"].split(",")) == denoisers
-        assert int(params["max_in_flight"]) == 8 + 48  # generate_instances + max_queue
+        assert int(params["max_in_flight"]) == 56
         assert params["limits"] == params_of(parsed["preprocess"])["limits"]
     assert [o.name for o in parsed["easel"].output] == ["image", "info"]
 
@@ -202,7 +202,7 @@ def test_denoiser_config_is_typed_and_strict(tiny_model, tmp_path):
 
 def test_every_model_that_reads_params_gets_the_limits(tiny_model, tmp_path):
     """Internal models re-check params against them (Triton cannot hide those models)."""
-    repo = export_repository(tiny_model, tmp_path / "repo", ExportOptions(max_queue=5))
+    repo = export_repository(tiny_model, tmp_path / "repo", ExportOptions(max_queue=5, max_in_flight=13))
     parsed = configs(repo)
     limits = params_of(parsed["preprocess"])["limits"]
     for name in ("text_encoder", "easel", "easel_stream", "vae_decoder", "postprocess"):
@@ -210,7 +210,7 @@ def test_every_model_that_reads_params_gets_the_limits(tiny_model, tmp_path):
     assert DenoiserConfig.from_json(params_of(parsed["denoiser"])["denoiser"]).max_queue == 5
     # the public models' requests in flight are bounded too (past it: UNAVAILABLE at once)
     for name in PUBLIC_MODELS:
-        assert params_of(parsed[name])["max_in_flight"] == str(8 + 5)
+        assert params_of(parsed[name])["max_in_flight"] == "13"
 
 
 def test_an_export_over_an_older_one_removes_retired_models(tiny_model, tmp_path):

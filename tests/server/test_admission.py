@@ -1,6 +1,6 @@
 """Bounded admission (issue 11): past max_running + max_queue a denoiser refuses a request at
 once with UNAVAILABLE instead of queueing it without end, and so does `easel` itself past
-generate_instances + max_queue requests in flight. A flood of 64 shows it: some succeed, the rest
+max_in_flight requests in flight. A flood of 64 shows it: some succeed, the rest
 are refused quickly, the server stays ready and serves the next request."""
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ REQUEST = dict(seed=1, steps=8, width=64, height=64)
 @pytest.fixture(scope="module")
 def bounded(tiny_model, tmp_path_factory):
     """A denoiser that holds at most 2 requests (1 running, 1 waiting); `easel` runs 9 at once
-    (8 generate_instances + 1), more than that."""
+    (max_in_flight), more than that."""
     repo = tmp_path_factory.mktemp("bounded") / "repo"
-    export_repository(tiny_model, repo, dataclasses.replace(OPTIONS, max_running=1, max_queue=1))
+    export_repository(tiny_model, repo, dataclasses.replace(OPTIONS, max_running=1, max_queue=1, max_in_flight=9))
     srv = TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=300).start()
     srv.wait_ready()
     yield srv
