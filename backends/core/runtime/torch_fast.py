@@ -45,9 +45,8 @@ WARMUP_RUNS = 2  # before a capture: cuDNN/cuBLAS pick their algorithms, compile
 class _Bucket:
     """Static buffers and captured graphs of one (h, w, rows, tokens)."""
 
-    def __init__(self, template: StepBatch, rows: int, channels_last: bool, text: torch.Tensor | None):
-        """`text`: the rows' packed text projections (a view of the runtime's shared buffer, which
-        the runtime fills), or None: the bucket holds the text itself."""
+    def __init__(self, template: StepBatch, rows: int, channels_last: bool, text: torch.Tensor):
+        """`text`: what the halves take for the text, which the runtime fills (FastUNetRuntime._text_rows)."""
         def like(t, memory_format=torch.contiguous_format):
             return torch.zeros((rows, *t.shape[1:]), dtype=t.dtype, device=t.device).contiguous(
                 memory_format=memory_format)
@@ -55,8 +54,7 @@ class _Bucket:
         self.rows = rows
         self.sample = like(template.sample, torch.channels_last if channels_last else torch.contiguous_format)
         self.timestep = like(template.timestep)
-        self.owns_text = text is None
-        self.text = like(template.text) if text is None else text
+        self.text = text
         self.pooled = like(template.pooled)
         self.time_ids = like(template.time_ids)
         self.encoder: torch.cuda.CUDAGraph | None = None
@@ -65,11 +63,8 @@ class _Bucket:
 
     def load(self, batch: StepBatch) -> None:
         n = batch.rows
-        pairs = [(self.sample, batch.sample), (self.timestep, batch.timestep), (self.pooled, batch.pooled),
-                 (self.time_ids, batch.time_ids)]
-        if self.owns_text:
-            pairs.append((self.text, batch.text))
-        for buf, src in pairs:
+        for buf, src in ((self.sample, batch.sample), (self.timestep, batch.timestep), (self.pooled, batch.pooled),
+                         (self.time_ids, batch.time_ids)):
             buf[:n].copy_(src, non_blocking=True)
 
 
@@ -135,8 +130,7 @@ class FastUNetRuntime:
         bucket = self._bucket(batch)
         if bucket is None:
             return self.eager.encode(batch)
-        bucket.load(batch)
-        self._load_text(batch, bucket)
+        self._load(batch, bucket)
         bucket.encoder.replay()
         self.stats.graph_steps += 1
         n = batch.rows
@@ -167,8 +161,11 @@ class FastUNetRuntime:
         """What the halves take for the batch's text: its packed projections, or the text itself."""
         return batch.text if self.text_projections is None else self.text_projections.project(batch.text)
 
-    def _load_text(self, batch: StepBatch, bucket: _Bucket) -> None:
-        if bucket.owns_text:
+    def _load(self, batch: StepBatch, bucket: _Bucket) -> None:
+        """The batch into the bucket's static inputs; its text as the halves take it."""
+        bucket.load(batch)
+        if self.text_projections is None:
+            bucket.text[:batch.rows].copy_(batch.text, non_blocking=True)
             return
         where = (bucket.rows, batch.text.shape[1])
         key = (batch.text_key, self._weights_version)
@@ -218,20 +215,20 @@ class FastUNetRuntime:
     def _capture(self, batch: StepBatch, rows: int) -> _Bucket:
         start = time.perf_counter()
         bucket = _Bucket(batch, rows, self.config.uses_channels_last, self._text_rows(batch, rows))
-        bucket.load(batch)
-        self._load_text(batch, bucket)
+        self._load(batch, bucket)
         args = (bucket.sample, bucket.timestep, bucket.text, bucket.pooled, bucket.time_ids)
         bucket.encoder, bucket.enc_out = _graphed(self.enc_fn, args, self.pool, self.caps.compiled)
         self.buckets[self._key(batch, rows)] = bucket
         self._captured(start, "encoder", rows)
         return bucket
 
-    def _text_rows(self, batch: StepBatch, rows: int) -> torch.Tensor | None:
-        """The packed-projection buffer of buckets of `rows` rows (None: not packing). Latent
-        sizes share it: graphs never run concurrently, and it is 77 x 166,400 fp16 a row for SDXL
-        (25.6 MB), so a buffer per bucket would multiply that by the warmed sizes."""
+    def _text_rows(self, batch: StepBatch, rows: int) -> torch.Tensor:
+        """A bucket's text buffer: without packing its own; with packing the packed-projection
+        buffer of buckets of `rows` rows, which latent sizes share: graphs never run concurrently,
+        and it is 77 x 166,400 fp16 a row for SDXL (25.6 MB), so a buffer per bucket would
+        multiply that by the warmed sizes."""
         if self.text_projections is None:
-            return None
+            return torch.zeros((rows, *batch.text.shape[1:]), dtype=batch.text.dtype, device=batch.text.device)
         where = (rows, batch.text.shape[1])
         if where not in self._text:
             self._text[where] = torch.zeros((*where, self.text_projections.width), dtype=batch.text.dtype,
