@@ -19,7 +19,7 @@ import pytest
 
 from clients import procs
 from clients.client import EaselClient, EaselError
-from clients.serve import free_port
+from clients.serve import free_port, scrape_metrics
 from export.repository import export_repository
 from tests.server.conftest import OPTIONS
 
@@ -77,6 +77,15 @@ class EaselServe:
                 return r.status == 200
         except OSError:
             return False
+
+    def steps_run(self) -> float:
+        """Batch steps the denoisers have run (the step-rows histogram's count, flushed every 0.5 s)."""
+        values = scrape_metrics(self.ports[2], ["easel_denoiser_step_rows_count"])
+        return sum(values["easel_denoiser_step_rows_count"].values())
+
+    def wait_for_steps(self, steps: int, before: float, timeout: float = 60.0) -> None:
+        """Until `steps` more batch steps than `before` have run: requests are in flight, not guessed by a sleep."""
+        _wait_until(lambda: self.steps_run() >= before + steps, timeout, serve=self)
 
     def region_prefix(self) -> str:
         return re.search(r"shm-region-prefix-name=(\S+)", " ".join(procs.cmdline(self.triton_pid())))[1]
@@ -184,8 +193,9 @@ def test_dead_stub_fails_in_flight_then_recovers(serving):
 
 
 def test_sigterm_drains_admitted_requests(serving):
+    before = serving.steps_run()
     requests = [InFlight(serving.url_grpc, seed=10 + i, size=192, steps=50) for i in range(4)]
-    time.sleep(2.0)
+    serving.wait_for_steps(2, before)
     assert all(r.is_alive() for r in requests), "requests finished before the signal: make them longer"
     triton = serving.triton_pid()
     family = [triton, *procs.descendants(triton)]

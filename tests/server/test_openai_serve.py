@@ -129,9 +129,10 @@ def test_sigterm_drains_the_api_requests_then_stops_it(serving):
         answer["response"] = httpx.post(url, timeout=300, json={
             "prompt": "in flight", "size": "256x256", "steps": 50, "seed": 5})
 
+    before = serving.steps_run()
     thread = threading.Thread(target=in_flight, daemon=True)
     thread.start()
-    time.sleep(2.0)
+    serving.wait_for_steps(2, before)
     assert thread.is_alive(), f"the request finished before the signal: make it longer ({answer.get('response') and answer['response'].text})"
     serving.proc.send_signal(signal.SIGTERM)
     serving.wait_for(r"stopping: draining", 10)
