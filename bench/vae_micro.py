@@ -23,10 +23,16 @@ import time
 import numpy as np
 
 from bench.common import bench_parser, random_sdxl, start_logging
+from bench.step_profile import kernel_profile
 
 log = logging.getLogger("bench.vae_micro")
 DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 OPTIONS = {"graphs": "graphs", "fused": "fused_kernels", "compiled": "compiled", "cl": "channels_last"}
+# Not a LatentDecoder option but the process-wide torch flag, which the VAE's own stub process could set:
+# fp32 matrix products (the mid block's attention) on tensor cores with TF32's 10-bit mantissa.
+TF32 = "tf32"
+# LatentDecoder's attention_dtype
+ATTENTION = {"attn16": "float16", "attnbf16": "bfloat16"}
 
 
 def wall_s(fn, iters: int, warmup: int = 2) -> list[float]:
@@ -45,6 +51,7 @@ def main() -> None:
     p.add_argument("--variants", default="fp32,fp32+graphs,fp32+graphs+fused,fp32+compiled,"
                                          "bf16+graphs,bf16+graphs+fused,bf16+compiled")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--profile", action="store_true", help="also each variant's GPU time by kernel category")
     args = p.parse_args()
     start_logging()
 
@@ -64,12 +71,14 @@ def main() -> None:
     reference = None
     for name in ["fp32"] + [v for v in args.variants.split(",") if v != "fp32"]:
         dtype, *options = name.split("+")
-        unknown = [o for o in options if o not in OPTIONS]
+        unknown = [o for o in options if o not in OPTIONS and o != TF32 and o not in ATTENTION]
         if dtype not in DTYPES or unknown:
             raise SystemExit(f"--variants: {name!r}: dtype one of {list(DTYPES)}, options of {list(OPTIONS)}")
+        torch.backends.cuda.matmul.allow_tf32 = TF32 in options
         start = time.perf_counter()
         decoder = LatentDecoder(model, Placement("cuda:0", "fp16"), dtype=getattr(torch, DTYPES[dtype]),
-                                **{OPTIONS[o]: True for o in options})
+                                **{OPTIONS[o]: True for o in options if o in OPTIONS},
+                                **{"attention_dtype": getattr(torch, ATTENTION[o]) for o in options if o in ATTENTION})
         with torch.inference_mode():
             pixels = decoder.decode(latents)  # first call: capture / compile
             first_s = time.perf_counter() - start
@@ -83,6 +92,12 @@ def main() -> None:
         log.info("%s: decode %.1f ms (%.1f-%.1f), first %.1f s, PSNR vs fp32 %.1f dB, max diff %d", name,
                  1000 * entry["decode_s"], 1000 * min(times), 1000 * max(times), first_s,
                  entry["psnr_db_vs_fp32"], entry["max_abs_diff"])
+        if args.profile:
+            with torch.inference_mode():
+                by_cat, kernels, launches = kernel_profile(lambda: decoder.decode(latents), 3)
+            entry.update(kernel_ms_by_category=by_cat, kernels_per_call=launches, top_kernels=kernels[:15])
+            log.info("%s: GPU ms by category %s; heaviest %s", name, {k: round(v, 2) for k, v in by_cat.items()},
+                     [(k[:60], round(v, 2)) for k, v in kernels[:5]])
         del decoder
         torch.cuda.empty_cache()
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -69,6 +69,9 @@ class ExportOptions:
     warmup_sizes: tuple[int, ...] = ()
     channels_last: bool | None = None  # None: where it pays (RuntimeConfig.channels_last)
     fused_kernels: bool = False
+    # The VAE's mid-block attention product: fp32 (diffusers' upcast VAE, exact), or bf16/fp16
+    # (approximate, faster); default: bf16 on a fast runtime, fp32 on eager.
+    vae_attention: str | None = None
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -81,6 +84,8 @@ class ExportOptions:
             raise ValueError(f"lora_loaders: {self.lora_loaders} is not a positive number of processes")
         if self.runtime is not None and self.runtime not in RUNTIME_KINDS:
             raise ValueError(f"runtime: {self.runtime!r} is not one of {list(RUNTIME_KINDS)}")
+        if self.vae_attention is not None and self.vae_attention not in DTYPE_NAMES:
+            raise ValueError(f"vae_attention: {self.vae_attention!r} is not one of {list(DTYPE_NAMES)}")
         if self.device == "cpu" and self.runtime not in (None, "eager"):
             raise ValueError(f"runtime: {self.runtime!r} needs --device cuda (CUDA graphs)")
 
@@ -97,6 +102,10 @@ class ExportOptions:
         return RuntimeConfig(kind=self.resolved_runtime, row_buckets=self.row_buckets, warmup_sizes=sizes,
                              warmup_residuals=bool(self.adapters), channels_last=self.channels_last,
                              fused_kernels=self.fused_kernels)
+
+    @property
+    def resolved_vae_attention(self) -> str:
+        return self.vae_attention or ("fp32" if self.resolved_runtime == "eager" else "bf16")
 
     @property
     def resolved_dtype(self) -> str:
@@ -165,9 +174,11 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
         component.save_pretrained(model / VERSION / name, **kwargs)
     (model / VERSION / OPTIONS_FILE).write_text(
         json.dumps({"force_zeros_for_empty_prompt": bool(pipe.config.force_zeros_for_empty_prompt)}))
+    # On a fast runtime each encoder runs as a CUDA graph (requests with text-encoder LoRAs eagerly).
+    text_params = {**engine_params, **checks, "graphs": _flag(options.resolved_runtime != "eager")}
     (model / "config.pbtxt").write_text(python_model(
         "text_encoder", "easel_text_encoder", contract.TEXT_ENCODER, options.instances(),
-        {**engine_params, **checks, "adapters": store} if store else {**engine_params, **checks}))
+        {**text_params, "adapters": store} if store else text_params))
 
     if store:  # the ControlNet service, placed on its own GPUs (or the denoisers')
         model = _fresh_model_dir(repo, "controlnet")
@@ -214,9 +225,11 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
         "vae_decoder", "easel_vae_decoder", contract.VAE_DECODER, options.instances(),
         # On a fast runtime the VAE runs as a CUDA graph with plugins' GroupNorm+SiLU, whatever the
         # UNet's flags: on an H200 that took SDXL's fp32 decode at 1024 px from 116 to 68 ms, pixels
-        # within 1 of eager's (bench/vae_micro.py); channels_last made it slower (164 ms).
+        # within 1 of eager's (bench/vae_micro.py); channels_last made it slower (164 ms). Its
+        # attention product in bf16 takes it to 58 ms, pixels as close to fp32's (62.9 dB).
         {**engine_params, **checks, "graphs": _flag(options.resolved_runtime != "eager"),
-         "fused_kernels": _flag(options.resolved_runtime != "eager")}))
+         "fused_kernels": _flag(options.resolved_runtime != "eager"),
+         "attention_dtype": options.resolved_vae_attention}))
 
     # CPU-only steps: validation, PNG encoding.
     cpu = Instances("KIND_CPU", 1)

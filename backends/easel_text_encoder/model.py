@@ -20,7 +20,8 @@ from backends.core.adapters.store import AdapterStore  # noqa: E402
 from backends.core.stages.text_encoding import PromptEncoder  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
     limits,
-    adapter_store_folder, artifact_folder, each_request, params_tensor, placement, read_params, setup_logging)
+    adapter_store_folder, artifact_folder, each_request, parameters, params_tensor, placement, read_params,
+    setup_logging)
 
 
 class TritonPythonModel:
@@ -29,7 +30,8 @@ class TritonPythonModel:
         self.limits = limits(args)
         store_folder = adapter_store_folder(args)  # LoRAs' text-encoder layers apply here
         self.encoder = PromptEncoder(artifact_folder(args), placement(args),
-                                     AdapterStore(store_folder) if store_folder else None)
+                                     AdapterStore(store_folder) if store_folder else None,
+                                     graphs=parameters(args).get("graphs", "false") == "true")
 
     def execute(self, requests):
         return each_request(requests, self._encode, "text_encoder")

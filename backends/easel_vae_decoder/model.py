@@ -17,6 +17,7 @@ import time  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from backends.core.request.params import InvalidInput  # noqa: E402
+from backends.core.runtime.placement import Placement  # noqa: E402
 from backends.core.stages.vae_decoding import LatentDecoder  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
     limits,
@@ -27,8 +28,10 @@ class TritonPythonModel:
     def initialize(self, args):
         setup_logging()
         self.limits = limits(args)
-        flags = {k: parameters(args).get(k, "false") == "true" for k in ("graphs", "fused_kernels")}
-        self.decoder = LatentDecoder(artifact_folder(args), placement(args), **flags)
+        params = parameters(args)
+        flags = {k: params.get(k, "false") == "true" for k in ("graphs", "fused_kernels")}
+        attention = Placement(dtype=params.get("attention_dtype", "fp32")).torch_dtype
+        self.decoder = LatentDecoder(artifact_folder(args), placement(args), attention_dtype=attention, **flags)
 
     def execute(self, requests):
         return each_request(requests, self._decode, "vae_decoder")

@@ -173,6 +173,9 @@ def test_cpu_export_is_fp32_on_cpu(cpu_repo):
     assert not any(name.startswith("denoiser_gpu") for name in parsed)
     for name in ("text_encoder", "denoiser", "vae_decoder"):
         assert params_of(parsed[name])["dtype"] == "fp32"
+    for name in ("text_encoder", "vae_decoder"):
+        assert params_of(parsed[name])["graphs"] == "false"
+    assert params_of(parsed["vae_decoder"])["attention_dtype"] == "fp32"  # exact on eager
     for name, config in parsed.items():
         for group in config.instance_group:
             assert model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind) == "KIND_CPU" and not group.gpus
@@ -249,6 +252,8 @@ def test_cuda_export_writes_one_denoiser_per_gpu(cuda_repo):
         (group,) = parsed[name].instance_group
         assert model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind) == "KIND_GPU"
         assert list(group.gpus) == [0] and params_of(parsed[name])["dtype"] == "fp16"
+        assert params_of(parsed[name])["graphs"] == "true"  # the fast runtime's CUDA graphs there too
+    assert params_of(parsed["vae_decoder"])["attention_dtype"] == "bf16"  # approximate: the fast default
     for file in (ENCODER_FILE, DECODER_FILE):
         with safe_open(str(cuda_repo / "denoiser_gpu0/1" / UNET_DIR / file), "pt") as f:
             assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F16"}

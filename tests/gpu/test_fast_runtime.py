@@ -15,6 +15,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 import torch
 
@@ -288,7 +289,7 @@ def test_runtime_refit_writes_in_place(repo):
 def test_vae_graphs_equal_eager(repo):
     import numpy as np
 
-    from backends.core.stages.vae_decoding import LatentDecoder
+    from backends.core.stages.vae_decoding import HalfPrecisionAttention, LatentDecoder
 
     folder = repo / "vae_decoder" / "1"
     eager = LatentDecoder(folder, Placement("cuda:0", "fp16"))
@@ -300,3 +301,25 @@ def test_vae_graphs_equal_eager(repo):
             got = fast.decode(latents)
             assert np.abs(got.astype(int) - want.astype(int)).max() <= 1, options  # within 1/255
         assert len(fast._graphs) == 1
+    for dtype in (torch.bfloat16, torch.float16):  # the attention product in half precision (approximate)
+        fast = LatentDecoder(folder, Placement("cuda:0", "fp16"), graphs=True, fused_kernels=True,
+                             attention_dtype=dtype)
+        assert isinstance(fast.vae.decoder.mid_block.attentions[0].processor, HalfPrecisionAttention)
+        assert np.abs(fast.decode(latents).astype(int) - want.astype(int)).max() <= 2, dtype
+
+
+def test_text_encoder_graphs_equal_eager(repo):
+    """Both CLIP encoders as CUDA graphs: the same kernels, so the same embeddings (fp16, bit for
+    bit on the H200; the tolerance allows a capture's other cuBLAS algorithm); a negative prompt
+    replays the graphs again without overwriting the prompt's outputs."""
+    folder = repo / "text_encoder" / "1"
+    eager = PromptEncoder(folder, Placement("cuda:0", "fp16"))
+    fast = PromptEncoder(folder, Placement("cuda:0", "fp16"), graphs=True)
+    for prompt, negative in (("a lighthouse", None), ("a red car", "blurry"), ("a yellow boat", "")):
+        params = validate({"prompt": prompt, "negative_prompt": negative, "width": 64, "height": 64},
+                          Limits())
+        (want, want_pooled), (got, got_pooled) = eager.encode(params), fast.encode(params)
+        scale = max(np.abs(want).max(), 1e-6)
+        assert np.abs(got - want).max() / scale <= TOL[torch.float16], prompt
+        assert np.abs(got_pooled - want_pooled).max() / max(np.abs(want_pooled).max(), 1e-6) <= TOL[torch.float16]
+    assert len(fast._graphs) == 2  # one per encoder, reused by every prompt

@@ -86,6 +86,24 @@ def test_geglu_matches_unfused(shape, dtype):
     _check(out, hidden * F.gelu(gate), golden, dtype)
 
 
+@pytest.mark.parametrize("shape", [(2, 1024, 1280, 5120), (3, 77, 96, 40)], ids=str)  # (rows, tokens, K, D)
+def test_geglu_linear_matches_the_unfused_projection_and_geglu(shape):
+    """The measured, unused GEGLU-in-the-product kernel (plugins/geglu_linear_kernel.py), fp16, on
+    SDXL's shape and on one with partial tiles: the products differ from cuBLAS's in the order of
+    fp32 accumulation only, so the fp16 tolerance holds."""
+    from plugins.geglu_linear_kernel import geglu_linear
+
+    rows, tokens, k, d = shape
+    g = torch.Generator("cuda").manual_seed(0)
+    x = torch.randn(rows, tokens, k, device="cuda", generator=g).half()
+    w = (torch.randn(2 * d, k, device="cuda", generator=g) / k ** 0.5).half()
+    b = (0.1 * torch.randn(2 * d, device="cuda", generator=g)).half()
+    hidden, gate = F.linear(x, w, b).chunk(2, dim=-1)
+    out = geglu_linear(x, w, b)
+    assert out.shape == (rows, tokens, d)
+    torch.testing.assert_close(out, hidden * F.gelu(gate), atol=TOL[torch.float16][0], rtol=TOL[torch.float16][1])
+
+
 def test_ops_registration_passes_opcheck_on_cuda():
     """Fake and Triton implementations agree on shapes, dtypes and strides (channels_last in,
     contiguous out), which inductor and CUDA graphs rely on."""

@@ -138,3 +138,25 @@ def test_vae_options_keep_the_pixels(repo):
     for options in ({"fused_kernels": True}, {"channels_last": True}, {"graphs": True}):  # graphs: GPU only
         got = LatentDecoder(folder, Placement(), **options).decode(latents)
         assert got.shape == want.shape and np.abs(got.astype(int) - want.astype(int)).max() <= 1, options
+
+
+def test_vae_half_precision_attention_follows_diffusers_processor(repo):
+    """HalfPrecisionAttention is AttnProcessor2_0 step for step: in fp32 it gives the stock
+    processor's output bit for bit; in bf16 (the attention product only) it stays within 1/255
+    of the fp32 pixels on the tiny VAE (the GPU tier and bench/vae_micro.py measure SDXL's)."""
+    import numpy as np
+
+    from backends.core.stages.vae_decoding import HalfPrecisionAttention, LatentDecoder
+
+    folder = repo / "vae_decoder" / "1"
+    latents = np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float32)
+    plain = LatentDecoder(folder, Placement())
+    want = plain.decode(latents)
+    same = LatentDecoder(folder, Placement())
+    (attn,) = same.vae.decoder.mid_block.attentions
+    assert HalfPrecisionAttention.supports(attn)
+    attn.set_processor(HalfPrecisionAttention(torch.float32))
+    assert np.array_equal(same.decode(latents), want)
+    half = LatentDecoder(folder, Placement(), attention_dtype=torch.bfloat16)
+    assert isinstance(half.vae.decoder.mid_block.attentions[0].processor, HalfPrecisionAttention)
+    assert np.abs(half.decode(latents).astype(int) - want.astype(int)).max() <= 1

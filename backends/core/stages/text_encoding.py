@@ -7,6 +7,11 @@ second encoder's projected output is the pooled embedding. Without a negative pr
 
 A request's LoRAs with text-encoder layers apply to both encoders for that request's encoding
 only, unmerged (forward hooks, as diffusers runs an unfused LoRA): the weights are never written.
+
+`graphs=True` (GPUs): each encoder runs as one CUDA graph (prompts are always padded to the
+tokenizer's 77 tokens, so one shape each), captured on first use; a request with text-encoder
+LoRAs runs eagerly, as its hooks are not in the graph. Same kernels as eager: the graph only
+removes the launch cost of some 600 small kernels per prompt.
 """
 
 from __future__ import annotations
@@ -61,7 +66,8 @@ class TextEncoderLoras:
 
 
 class PromptEncoder:
-    def __init__(self, folder: str | Path, placement: Placement, store: AdapterStore | None = None):
+    def __init__(self, folder: str | Path, placement: Placement, store: AdapterStore | None = None,
+                 graphs: bool = False):
         from transformers import CLIPTextModel, CLIPTextModelWithProjection, CLIPTokenizer
 
         folder = Path(folder)
@@ -77,22 +83,50 @@ class PromptEncoder:
         for enc in self.encoders:
             enc.to(self.device).eval()
         self.layers = [ModelLayers(enc) for enc in self.encoders]  # what a LoRA's text-encoder layers may change
+        self.graphs = graphs and self.device.type == "cuda"
+        # (encoder index, ids shape) -> (graph, static ids, static penultimate hidden states, static pooled)
+        self._graphs: dict[tuple, tuple] = {}
         options = json.loads((folder / OPTIONS_FILE).read_text())
         self.force_zeros_for_empty_prompt = bool(options["force_zeros_for_empty_prompt"])
         self.loras = TextEncoderLoras(store)
         if store is not None:  # LoRA files are read with diffusers' pipeline code: import it now, not on a request
             from diffusers import StableDiffusionXLPipeline  # noqa: F401
 
-    def _encode(self, text: str, max_length: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def _encode(self, text: str, max_length: int | None = None, graphs: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
         hidden, pooled = [], None
-        for tokenizer, encoder in zip(self.tokenizers, self.encoders):
+        for index, tokenizer in enumerate(self.tokenizers):
             ids = tokenizer(text, padding="max_length", max_length=max_length or tokenizer.model_max_length,
                             truncation=True, return_tensors="pt").input_ids
-            out = encoder(ids.to(self.device), output_hidden_states=True)
-            if pooled is None and out[0].ndim == 2:
-                pooled = out[0]
-            hidden.append(out.hidden_states[-2])
+            penultimate, first = (self._graphed if graphs else self._run)(index, ids.to(self.device))
+            if pooled is None and first is not None:
+                pooled = first
+            hidden.append(penultimate)
         return torch.concat(hidden, dim=-1), pooled
+
+    def _run(self, index: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The encoder's penultimate hidden states, and its pooled output if it has one (the second)."""
+        out = self.encoders[index](ids, output_hidden_states=True)
+        return out.hidden_states[-2], out[0] if out[0].ndim == 2 else None
+
+    def _graphed(self, index: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        key = (index, tuple(ids.shape))
+        if key not in self._graphs:
+            static = ids.clone()
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):  # kernels pick their algorithms before the capture
+                self._run(index, static)
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph):
+                outputs = self._run(index, static)
+            self._graphs[key] = (graph, static, *outputs)
+        graph, static, penultimate, pooled = self._graphs[key]
+        static.copy_(ids)
+        graph.replay()
+        # Copies: the next replay (the negative prompt's) overwrites the static outputs.
+        return penultimate.clone(), None if pooled is None else pooled.clone()
 
     @torch.inference_mode()
     def encode(self, params: GenerateParams) -> tuple[np.ndarray, np.ndarray]:
@@ -100,14 +134,15 @@ class PromptEncoder:
         with ExitStack() as hooks:  # removed on the way out, whatever happens
             for component, layers in zip(TEXT_ENCODERS, self.layers):
                 hooks.enter_context(UnmergedLoras(layers, [(slice(None), loras)], component))
-            return self._encode_params(params)
+            return self._encode_params(params, graphs=self.graphs and not loras)
 
-    def _encode_params(self, params: GenerateParams) -> tuple[np.ndarray, np.ndarray]:
-        embeds, pooled = self._encode(params.prompt)
+    def _encode_params(self, params: GenerateParams, graphs: bool) -> tuple[np.ndarray, np.ndarray]:
+        embeds, pooled = self._encode(params.prompt, graphs=graphs)
         if params.cfg:
             if params.negative_prompt is None and self.force_zeros_for_empty_prompt:
                 neg, neg_pooled = torch.zeros_like(embeds), torch.zeros_like(pooled)
             else:
-                neg, neg_pooled = self._encode(params.negative_prompt or "", max_length=embeds.shape[1])
+                neg, neg_pooled = self._encode(params.negative_prompt or "", max_length=embeds.shape[1],
+                                               graphs=graphs)
             embeds, pooled = torch.cat([neg, embeds]), torch.cat([neg_pooled, pooled])
         return embeds.float().cpu().numpy(), pooled.float().cpu().numpy()
