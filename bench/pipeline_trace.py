@@ -74,7 +74,7 @@ def main() -> None:
     args.work.mkdir(parents=True, exist_ok=True)
     if args.cpu:
         model, options = tiny(args.work), ExportOptions(device="cpu")
-        size = 64
+        size = args.size if args.size <= 256 else 64  # the tiny server allows 256 px at most
     else:
         model, size = random_sdxl(args.work), args.size
         options = ExportOptions(device="cuda", dtype="fp16", gpus=(0,), runtime=args.runtime, max_size=size,

@@ -19,7 +19,7 @@ import numpy as np  # noqa: E402
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from backends.core.request.params import InvalidInput  # noqa: E402
-from backends.core.stages.image_encoding import DEFAULT_QUALITY, encode_image  # noqa: E402
+from backends.core.stages.image_encoding import DEFAULT_QUALITY, FORMATS, encode_image  # noqa: E402
 from backends.triton_adapter import each_request, limits, read_params, setup_logging  # noqa: E402
 
 
@@ -42,6 +42,10 @@ class TritonPythonModel:
     def initialize(self, args):
         setup_logging()
         self.limits = limits(args)
+        # Each format's first encode in a process is slow (PNG's thread pool, PIL's plugins): do it
+        # here, not on an instance's first request.
+        for fmt in FORMATS:
+            encode_image(np.zeros((512, 512, 3), np.uint8), fmt)
 
     def execute(self, requests):
         return each_request(requests, self._encode, "postprocess")

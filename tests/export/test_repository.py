@@ -203,6 +203,25 @@ def test_denoiser_config_is_typed_and_strict(tiny_model, tmp_path):
         DenoiserConfig.from_json(json.dumps({**data, "max_queue": -1}))
 
 
+def test_postprocess_instances_are_warmed_with_a_valid_request(repo):
+    """Triton sends each postprocess instance one small image before ready: params its own checks
+    accept (a bad warm-up request would stop the model from loading), pixels of their size."""
+    import struct
+
+    from backends.core.request.adapter_inputs import checked_params
+
+    config = configs(repo)["postprocess"]
+    (sample,) = config.model_warmup
+    inputs = dict(sample.inputs)
+    assert set(inputs) == {t.name for t in contract.POSTPROCESS.inputs}
+    raw = (repo / "postprocess" / "warmup" / inputs["params"].input_data_file).read_bytes()
+    (length,) = struct.unpack_from("<I", raw)
+    assert length == len(raw) - 4
+    limits = Limits.from_json(params_of(config)["limits"])
+    params = checked_params(raw[4:], limits)
+    assert list(inputs["pixels"].dims) == [params.height, params.width, 3] and inputs["pixels"].zero_data
+
+
 def test_every_model_that_reads_params_gets_the_limits(tiny_model, tmp_path):
     """Internal models re-check params against them (Triton cannot hide those models)."""
     repo = export_repository(tiny_model, tmp_path / "repo", ExportOptions(max_queue=5, max_in_flight=13))
