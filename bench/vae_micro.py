@@ -19,6 +19,7 @@ import json
 import logging
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
@@ -108,7 +109,14 @@ def main() -> None:
         Image.fromarray(reference).save(buf, format="PNG", compress_level=PNG_COMPRESS_LEVEL)
         return buf.getvalue()
 
-    for name, fn in (("png_ours", lambda: encode_png(reference, PNG_COMPRESS_LEVEL)), ("png_pil", pil_png)):
+    # Our encoder's settings (strip size, threads) against its defaults: the bytes depend on the
+    # strip size only.
+    pools = {n: ThreadPoolExecutor(n) for n in (8, 16)}
+    settings = {f"png_ours_{kib}k_{n}t": (lambda kib=kib, n=n: encode_png(reference, PNG_COMPRESS_LEVEL, kib * 1024,
+                                                                        pools[n]))
+                for kib in (64, 128, 256) for n in pools}
+    for name, fn in (("png_ours", lambda: encode_png(reference, PNG_COMPRESS_LEVEL)), ("png_pil", pil_png),
+                     *settings.items()):
         times = wall_s(fn, args.iters)
         report[name] = {"s": statistics.median(times), "s_min": min(times), "s_max": max(times),
                         "bytes": len(fn())}

@@ -22,8 +22,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
 
-STRIP_BYTES = 256 * 1024  # raw bytes a strip holds, about; one task per strip
-MAX_THREADS = 8
+# Raw bytes a strip holds, about; one task per strip. On the H200 host (16 cores; a 1024x1024
+# random-weight image, 3 MiB raw, bench/vae_micro.py): 256 KiB strips on 8 threads 26.5-32 ms,
+# 64 KiB strips on 16 threads 18.3 ms, and 4 KiB fewer bytes out of 2.6 MiB.
+STRIP_BYTES = 64 * 1024
+MAX_THREADS = 16
 _UP = 2  # PNG filter type
 _ADLER_BASE = 65521
 _SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -73,19 +76,21 @@ def _chunk(kind: bytes, data: bytes) -> bytes:
     return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(data, zlib.crc32(kind)))
 
 
-def encode_png(pixels: np.ndarray, level: int) -> bytes:
-    """RGB uint8 [H, W, 3] -> a PNG file (8-bit truecolour, no interlace), deflated at `level`."""
+def encode_png(pixels: np.ndarray, level: int, strip_bytes: int = STRIP_BYTES,
+               executor: ThreadPoolExecutor | None = None) -> bytes:
+    """RGB uint8 [H, W, 3] -> a PNG file (8-bit truecolour, no interlace), deflated at `level`.
+    `strip_bytes` and `executor` (default: the module's pool) are for measuring other settings."""
     if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[2] != 3:
         raise ValueError(f"pixels: expected [H, W, 3] uint8, got {list(pixels.shape)} {pixels.dtype}")
     pixels = np.ascontiguousarray(pixels)
     height, width = pixels.shape[:2]
-    rows_per_strip = max(1, STRIP_BYTES // (width * 3 + 1))
+    rows_per_strip = max(1, strip_bytes // (width * 3 + 1))
     bounds = [(r, min(r + rows_per_strip, height)) for r in range(0, height, rows_per_strip)]
     jobs = [(pixels, start, stop, level, stop == height) for start, stop in bounds]
     if len(jobs) == 1:
         strips = [_deflate_strip(*jobs[0])]
     else:
-        strips = list(_executor().map(lambda job: _deflate_strip(*job), jobs))
+        strips = list((executor or _executor()).map(lambda job: _deflate_strip(*job), jobs))
     checksum = 1  # Adler-32 of nothing
     for _, adler, length in strips:
         checksum = adler32_combine(checksum, adler, length)
