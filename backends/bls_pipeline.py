@@ -26,7 +26,6 @@ outlive `execute`), so bench/pipeline_trace.py reads Triton's per-model statisti
 
 from __future__ import annotations
 
-import itertools
 import json
 import logging
 import threading
@@ -42,6 +41,7 @@ from backends.core.request import contract
 from backends.core.request.adapter_inputs import checked_params
 from backends.core.request.params import Cancelled, InvalidInput, Overloaded
 from backends.core.stages.preview import preview_png
+from backends.denoiser_routing import LeastLoaded, request_work
 from backends.triton_adapter import (MARKS_PARAMETER, ForwardedError, failure, input_array, limits, parameters,
                                      remaining_us, scalar)
 
@@ -87,10 +87,10 @@ class BlsPipeline:
         names = [n.strip() for n in params["denoisers"].split(",") if n.strip()]
         if not names:
             raise ValueError("parameter denoisers names no model")
-        self.denoisers = itertools.cycle(names)  # round robin; each denoiser batches what it gets
+        self.router = LeastLoaded(names)  # each denoiser batches what it gets
         self.max_in_flight = int(params.get("max_in_flight", "16"))
         self.jobs: set[Job] = set()
-        self.lock = threading.Lock()  # jobs and the denoisers' cycle: execute, workers, watcher
+        self.lock = threading.Lock()  # jobs: execute, workers, watcher
         self.pool = ThreadPoolExecutor(self.max_in_flight, thread_name_prefix=f"{self.name}-bls")
         self.stopping = threading.Event()
         self.watcher = threading.Thread(target=self._watch, name=f"{self.name}-watch", daemon=True)
@@ -161,20 +161,20 @@ class BlsPipeline:
             raise Cancelled(f"{self.name}: cancelled by the client before denoising")
         checked = checked_params(scalar(params.as_numpy()), self.limits)  # its steps, when it began
         key = uuid.uuid4().hex
-        with self.lock:
-            denoiser = next(self.denoisers)
+        work = request_work(checked.steps, checked.cfg, checked.width, checked.height)
+        denoiser = self.router.pick(work)
         inputs = [params, prompt_embeds, pooled_embeds, control_images, _tensor("cancel_key", key.encode(), np.object_)]
         if job.preview_every is not None:  # asks for a response per step
             inputs.append(_tensor("preview_every", job.preview_every, np.int32))
-        request = pb_utils.InferenceRequest(
-            model_name=denoiser, inputs=inputs, requested_output_names=[t.name for t in contract.DENOISER.outputs],
-            timeout=remaining_us(job.timeout_us, checked, self.name))
-        # exec returns at the denoiser's first response: for a keyed request, an empty one once it
-        # is admitted, so a cancel sent from now on finds it (contract.DENOISER).
-        responses = request.exec(decoupled=True)
-        job.denoising = (denoiser, key)
         final = None
         try:
+            request = pb_utils.InferenceRequest(
+                model_name=denoiser, inputs=inputs, requested_output_names=[t.name for t in contract.DENOISER.outputs],
+                timeout=remaining_us(job.timeout_us, checked, self.name))
+            # exec returns at the denoiser's first response: for a keyed request, an empty one once
+            # it is admitted, so a cancel sent from now on finds it (contract.DENOISER).
+            responses = request.exec(decoupled=True)
+            job.denoising = (denoiser, key)
             for response in responses:
                 if response.has_error():
                     raise ForwardedError(response.error())
@@ -187,6 +187,7 @@ class BlsPipeline:
                     self._progress(job, checked.steps, outputs)
         finally:
             job.denoising = None
+            self.router.release(denoiser, work)
         if final is None:
             raise RuntimeError("the denoiser finished without a result")
         return final["latents"], final["params"]

@@ -29,8 +29,8 @@ def test_two_denoisers_share_one_controlnet_service(shared, server):
     counters = {"hits": "easel_controlnet_cache_hits_total", "misses": "easel_controlnet_cache_misses_total",
                 "calls": "easel_controlnet_calls_total"}
     before = {k: metric(shared, name) for k, name in counters.items()}
-    # `easel` takes turns over the denoisers; rounds of concurrent requests go on until both have
-    # served.
+    # `easel` sends each to the denoiser with the least outstanding work: concurrent equal requests
+    # spread over both; rounds go on until both have served.
     results = []
     with ThreadPoolExecutor(max_workers=6) as pool:
         while len({r.info["denoiser"] for r in results}) < 2 and len(results) < 18:

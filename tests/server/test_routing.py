@@ -1,0 +1,40 @@
+"""`easel` sends each request to the denoiser with the least outstanding work
+(backends/denoiser_routing.py), on the two-denoiser server of conftest: while one denoiser runs a
+long request, short ones go to the other (a round robin would send every second one to the busy
+denoiser, where it would wait on or slow the long one)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from clients.client import EaselClient
+from tests.server.conftest import metric_values
+
+STEPS = "easel_denoiser_step_rows_count"
+
+
+def test_short_requests_go_around_a_denoiser_busy_with_a_long_one(shared):
+    before = metric_values(shared, STEPS)
+    long: dict = {}
+
+    def run_long():
+        with EaselClient(shared.url_grpc, protocol="grpc") as c:
+            long["result"] = c.generate("a long one", seed=1, steps=50, width=256, height=256, timeout_s=300)
+
+    thread = threading.Thread(target=run_long, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while True:  # until the long request's denoiser has run steps (the histogram flushes every 0.5 s)
+        busy = [labels for labels, v in metric_values(shared, STEPS).items() if v >= before.get(labels, 0) + 2]
+        if busy:
+            break
+        assert time.monotonic() < deadline, "the long request never started"
+        time.sleep(0.1)
+    with EaselClient(shared.url_grpc, protocol="grpc") as c:
+        short = [c.generate("a short one", seed=i, steps=2, width=64, height=64).info["denoiser"] for i in range(3)]
+    assert thread.is_alive(), "the long request ended before the short ones: make it longer"
+    thread.join(300)
+    busy_model = long["result"].info["denoiser"]
+    assert busy == [f'model="{busy_model}"'], (busy, busy_model)
+    assert len(set(short)) == 1 and short[0] != busy_model, (short, busy_model)
