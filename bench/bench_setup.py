@@ -48,6 +48,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--controlnets", type=int, default=0, help="ControlNets per request (random SDXL-size ones)")
     p.add_argument("--loras", type=int, default=0, help="LoRAs per request (random SDXL-size ones)")
     p.add_argument("--lora-mib", type=float, default=340.0, help="size of each random LoRA file (fp16)")
+    p.add_argument("--configs", type=config_list, default=None,
+                   help="several configurations in one run, e.g. 0C/0L,1C/1L,3C/2L (instead of --controlnets "
+                        "and --loras); each is measured in turn into the same results")
+    p.add_argument("--controlnet-gpus", type=int_list, default=None,
+                   help="GPU ids of Easel's ControlNet service (default: the denoisers' GPUs)")
     p.add_argument("--gpus", type=int_list, default=(0,), help="Easel's GPU ids (one denoiser each); "
                    "diffusers runs on the first")
     p.add_argument("--skip-easel", action="store_true", help="keep Easel's results already in --out")
@@ -59,6 +64,19 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--replot", type=Path, default=None, metavar="DIR",
                    help="only rewrite DIR/results.md and the plots from DIR/results.json")
     return p
+
+
+def config_list(text: str) -> tuple[tuple[int, int], ...]:
+    """"0C/0L,1C/1L" -> ((0, 0), (1, 1)): ControlNets and LoRAs per request of each configuration."""
+    out = []
+    for name in (t.strip() for t in text.split(",") if t.strip()):
+        match = re.fullmatch(r"(\d+)C/(\d+)L", name)
+        if not match:
+            raise argparse.ArgumentTypeError(f"--configs: {name!r} is not of the form <m>C/<n>L, e.g. 1C/2L")
+        out.append((int(match[1]), int(match[2])))
+    if not out:
+        raise argparse.ArgumentTypeError("--configs: no configuration given")
+    return tuple(out)
 
 
 def int_list(text: str) -> tuple[int, ...]:
@@ -91,6 +109,7 @@ class Setup:
     loras: int
     lora_mib: float
     gpus: tuple[int, ...]
+    controlnet_gpus: tuple[int, ...] | None
     ready_timeout: float
     smoke: bool
 
@@ -112,6 +131,16 @@ class Setup:
         return self.rounds or (2 if self.smoke else max(2, 8 // c))
 
 
+def resolve_all(args: argparse.Namespace) -> list[Setup]:
+    """One Setup per configuration: --configs, or the one --controlnets/--loras name."""
+    setup = resolve(args)
+    if args.configs is None:
+        return [setup]
+    if args.controlnets or args.loras:
+        raise SystemExit("easel bench: give --configs or --controlnets/--loras, not both")
+    return [dataclasses.replace(setup, controlnets=c, loras=n) for c, n in args.configs]
+
+
 def resolve(args: argparse.Namespace) -> Setup:
     smoke = args.cpu_smoke
     if smoke and args.runtime not in (None, "eager"):
@@ -126,7 +155,9 @@ def resolve(args: argparse.Namespace) -> Setup:
                  runtime="eager" if smoke else args.runtime, rounds=args.throughput_rounds,
                  row_buckets=args.row_buckets, fused_kernels=args.fused_kernels, controlnets=args.controlnets,
                  loras=args.loras,
-                 lora_mib=0.25 if smoke else args.lora_mib, gpus=tuple(args.gpus), ready_timeout=args.ready_timeout,
+                 lora_mib=0.25 if smoke else args.lora_mib, gpus=tuple(args.gpus),
+                 controlnet_gpus=tuple(args.controlnet_gpus) if args.controlnet_gpus else None,
+                 ready_timeout=args.ready_timeout,
                  smoke=smoke, **pick)
 
 

@@ -47,7 +47,7 @@ import numpy as np
 
 from bench.bench_setup import (CONTROLNET_NAMES, LORA_SCALE, LORA_STD, PROMPT, RESULTS_DIR, SCHEDULER,
                                 SERVER_CACHE_ENV, Setup, control_images, driver_version, free_gpu, gpu_name,
-                                gpu_slug, now, parser, resolve, versions)
+                                gpu_slug, now, parser, resolve_all, versions)
 from bench.diffusers_baseline import measure_diffusers
 from bench.bench_report import (GUIDANCE, LABELS, SYSTEMS, image_path, load_results, markdown, percentile, phase,
                                 plot, secs, times, write_report)
@@ -87,16 +87,18 @@ def config_entry(results: dict, setup: Setup, skip: set[str] = frozenset()) -> d
     GPUs and Easel runtime (phases measured now replace its old ones), or a new one. A new one
     takes the diffusers phases it skips from an entry that differs only in Easel's runtime
     (diffusers does not depend on it), so each Easel runtime gets its ratios."""
-    def key(name, size, steps, gpus):
-        return (name, size, steps, tuple(gpus or ()))
+    def key(name, size, steps, gpus, controlnet_gpus):
+        return (name, size, steps, tuple(gpus or ()), tuple(controlnet_gpus or ()))
 
-    mine = key(setup.name, setup.size, setup.steps, setup.gpus)
+    mine = key(setup.name, setup.size, setup.steps, setup.gpus, setup.controlnet_gpus)
     siblings = [e for e in results["configs"]
-                if key(e.get("name"), e.get("size"), e.get("steps"), e.get("gpus")) == mine]
+                if key(e.get("name"), e.get("size"), e.get("steps"), e.get("gpus"), e.get("controlnet_gpus")) == mine]
     for entry in siblings:
         if entry.get("runtime") == setup.resolved_runtime:
             return entry
-    entry = {"name": setup.name}
+    entry = {"name": setup.name, "size": setup.size, "steps": setup.steps, "gpus": list(setup.gpus),
+             "controlnet_gpus": list(setup.controlnet_gpus) if setup.controlnet_gpus else None,
+             "runtime": setup.resolved_runtime}
     for system in ("diffusers_eager", "diffusers_compiled"):
         source = next((e for e in siblings if system in skip and phase(e, system)), None)
         if source is not None:
@@ -217,7 +219,8 @@ def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> No
         max_steps=max(150, setup.steps, setup.throughput_steps), runtime=setup.runtime, warmup_sizes=(setup.size,),
         max_in_flight=max(56, top + 48), max_running=max(16, top), max_batch_rows=max(16, 2 * top),
         adapters=str(store) if store else None, max_controlnets=max(3, setup.controlnets),
-        max_loras=max(3, setup.loras), controlnet_instances=max(1, setup.controlnets), **extra)
+        max_loras=max(3, setup.loras), controlnet_instances=max(1, setup.controlnets),
+        controlnet_gpus=setup.controlnet_gpus, **extra)
     if 2 * top > max(options.row_buckets):
         log.warning("concurrency %d needs %d UNet rows; the largest bucket is %d (more rows run eager)",
                     top, 2 * top, max(options.row_buckets))
@@ -374,6 +377,7 @@ def run(setup: Setup, out: Path, skip: set[str], argv: list[str]) -> int:
                    args=argv, date=now())
     entry = config_entry(results, setup, skip)
     entry.update(name=setup.name, controlnets=setup.controlnets, loras=setup.loras, gpus=list(setup.gpus),
+                 controlnet_gpus=list(setup.controlnet_gpus) if setup.controlnet_gpus else None,
                  runtime=setup.resolved_runtime, gpu=gpu, size=setup.size, steps=setup.steps,
                  throughput_steps=setup.throughput_steps,
                  runs=setup.runs, concurrency=list(setup.concurrency), device=setup.device, dtype=setup.dtype,
@@ -464,7 +468,8 @@ def main(argv: list[str] | None = None) -> int:
         for path in plot(args.replot / "results.json"):
             log.info("wrote %s", path)
         return 0
-    setup = resolve(args)
+    setups = resolve_all(args)
+    setup = setups[0]
     if setup.device == "cuda":
         import torch
 
@@ -479,7 +484,9 @@ def main(argv: list[str] | None = None) -> int:
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _terminate)
     try:
-        code = run(setup, out, skip, argv)
+        code = 0
+        for each in setups:  # configurations one after another, into the same results
+            code |= run(each, out, skip, argv)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

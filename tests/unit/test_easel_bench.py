@@ -3,6 +3,7 @@ plots, the agreed keys. No server, no model."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 
 import numpy as np
@@ -120,3 +121,24 @@ def test_setup_defaults_and_gpu_slug():
     assert bench_setup.gpu_slug("NVIDIA H100 80GB HBM3", 2) == "h100-80gb-hbm3x2"
     with pytest.raises(SystemExit):
         bench_setup.parser().parse_args(["--concurrency", "1,x"])
+
+
+def test_configs_flag_measures_several_configurations_in_one_run():
+    parse = bench_setup.parser().parse_args
+    setups = bench_setup.resolve_all(parse(["--configs", "0C/0L, 1C/1L,3C/2L", "--gpus", "0,1",
+                                            "--controlnet-gpus", "2,3"]))
+    assert [s.name for s in setups] == ["0C/0L", "1C/1L", "3C/2L"]
+    assert all(s.gpus == (0, 1) and s.controlnet_gpus == (2, 3) for s in setups)
+    assert [s.name for s in bench_setup.resolve_all(parse(["--loras", "2"]))] == ["0C/2L"]
+    assert bench_setup.resolve_all(parse([]))[0].controlnet_gpus is None
+    for bad in ("1C", "1C/1L,x", ""):
+        with pytest.raises(SystemExit):
+            parse(["--configs", bad])
+    with pytest.raises(SystemExit, match="not both"):
+        bench_setup.resolve_all(parse(["--configs", "1C/1L", "--loras", "1"]))
+    # Where the ControlNets run is part of a configuration: another placement is another entry.
+    results = {"configs": []}
+    first = easel_bench.config_entry(results, setups[1])
+    elsewhere = dataclasses.replace(setups[1], controlnet_gpus=None)
+    assert easel_bench.config_entry(results, setups[1]) is first
+    assert easel_bench.config_entry(results, elsewhere) is not first and len(results["configs"]) == 2

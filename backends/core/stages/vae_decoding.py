@@ -8,10 +8,10 @@ within 1 of eager's, `compiled` 64 ms after a 25 s compile, `channels_last` 164 
 bf16 38 ms but 50 dB from fp32, fp16 overflows on SDXL's real VAE. A fast deployment uses
 graphs + fused kernels.
 
-`attention_dtype` (fp16 or bf16; for an fp32 VAE, as SDXL's upcast one): the mid block's attention (one head of 512 channels over all
-16384 latent pixels at 1024 px) multiplies in that dtype instead of fp32; everything around it
-(norm, projections, residual) stays fp32. In fp32 it is 15 of those 68 ms (a SIMT kernel: no
-fp32 flash attention). bf16 keeps fp32's range, fp16 three more bits of precision. On the H200
+`attention_dtype` (fp16 or bf16; for an fp32 VAE, as SDXL's upcast one): the mid block's
+attention (one head of 512 channels over all 16384 latent pixels at 1024 px) multiplies in that
+dtype instead of fp32; everything around it (norm, projections, residual) stays fp32. In fp32 it
+is 15 of those 68 ms (a SIMT kernel: no fp32 flash attention). bf16 keeps fp32's range, fp16 three more bits of precision. On the H200
 (bench/vae_micro.py, graphs + fused kernels, random weights): 67.8 -> 57.8 ms with either, the
 pixels 62.9 dB from fp32 eager's as without it (max difference 1/255 both ways). A fast
 deployment uses bf16: SDXL's VAE overflows fp16 elsewhere, and its attention might too.
