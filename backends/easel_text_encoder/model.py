@@ -12,11 +12,13 @@ for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
         site.addsitedir(_p)
 sys.path[:] = [p for p in sys.path if p not in _own] + _own
 
+import logging  # noqa: E402
 import time  # noqa: E402
 
 import triton_python_backend_utils as pb_utils  # noqa: E402
 
 from backends.core.adapters.store import AdapterStore  # noqa: E402
+from backends.core.request.params import validate  # noqa: E402
 from backends.core.stages.text_encoding import PromptEncoder  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
     limits,
@@ -32,6 +34,10 @@ class TritonPythonModel:
         self.encoder = PromptEncoder(artifact_folder(args), placement(args),
                                      AdapterStore(store_folder) if store_folder else None,
                                      graphs=parameters(args).get("graphs", "false") == "true")
+        # Graphs are captured now, not on the first request.
+        start = time.perf_counter()
+        self.encoder.encode(validate({"prompt": "warm-up"}, self.limits))
+        logging.getLogger("backends.text_encoder").info("warmed up in %.2f s", time.perf_counter() - start)
 
     def execute(self, requests):
         return each_request(requests, self._encode, "text_encoder")

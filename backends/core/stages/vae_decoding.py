@@ -99,6 +99,12 @@ class LatentDecoder:
                 if isinstance(module, Attention) and HalfPrecisionAttention.supports(module):
                     module.set_processor(HalfPrecisionAttention(attention_dtype))
 
+    def latent_shape(self, height: int, width: int) -> tuple[int, int, int, int]:
+        """The [1, C, h, w] latents of an image of this size."""
+        cfg = self.vae.config
+        factor = 2 ** (len(cfg.block_out_channels) - 1)
+        return 1, cfg.latent_channels, height // factor, width // factor
+
     @torch.inference_mode()
     def decode(self, latents: np.ndarray) -> np.ndarray:
         """[1, C, h, w] float latents -> [H, W, 3] uint8."""
