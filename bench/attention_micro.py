@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import contextlib
 import itertools
-import json
 import logging
 import math
 import sys
@@ -32,7 +31,7 @@ import torch
 import triton
 import triton.language as tl
 
-from bench.common import start_logging
+from bench.common import start_logging, write_json
 
 log = logging.getLogger("bench.attention_micro")
 
@@ -182,9 +181,7 @@ def main() -> None:
                      row["tflops"]["sdpa"], ms["sdpa_flash"], best, ms[best], row["tflops"][best],
                      row["sdpa_over_best"], diffs[best])
             torch.cuda.empty_cache()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    log.info("wrote %s", args.out)
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ their --work folder (no model hub here: the weights are random, the shapes real)
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 from pathlib import Path
 
@@ -17,6 +18,13 @@ def bench_parser(doc: str, size: int, steps: int, work_help: str = "folder for t
     p.add_argument("--size", type=int, default=size)
     p.add_argument("--steps", type=int, default=steps)
     return p
+
+
+def write_json(path: Path, report: dict) -> None:
+    """A benchmark's JSON report, its folder made as needed."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(report, indent=2))
+    logging.getLogger("bench").info("wrote %s", path)
 
 
 def start_logging() -> None:

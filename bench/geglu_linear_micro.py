@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import argparse
 import itertools
-import json
 import logging
 import sys
 from pathlib import Path
 
-from bench.common import start_logging
+from bench.common import start_logging, write_json
 
 log = logging.getLogger("bench.geglu_linear_micro")
 
@@ -91,9 +90,7 @@ def main() -> None:
                      diffs[best])
             del x, w, b, want, eager_out
             torch.cuda.empty_cache()
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    log.info("wrote %s", args.out)
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

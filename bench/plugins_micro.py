@@ -14,12 +14,11 @@ speed-ups are time ratios. Each variant's largest difference from eager is recor
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import sys
 from pathlib import Path
 
-from bench.common import start_logging
+from bench.common import start_logging, write_json
 
 log = logging.getLogger("bench.plugins_micro")
 
@@ -115,9 +114,7 @@ def main() -> None:
             del inputs, want
             torch.cuda.empty_cache()
 
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    log.info("wrote %s", args.out)
+    write_json(args.out, report)
 
 
 if __name__ == "__main__":

@@ -72,7 +72,7 @@ def main() -> None:
     reference = None
     for name in ["fp32"] + [v for v in args.variants.split(",") if v != "fp32"]:
         dtype, *options = name.split("+")
-        unknown = [o for o in options if o not in OPTIONS and o != TF32 and o not in ATTENTION]
+        unknown = [o for o in options if o not in {*OPTIONS, TF32, *ATTENTION}]
         if dtype not in DTYPES or unknown:
             raise SystemExit(f"--variants: {name!r}: dtype one of {list(DTYPES)}, options of {list(OPTIONS)}")
         torch.backends.cuda.matmul.allow_tf32 = TF32 in options
