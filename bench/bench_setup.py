@@ -53,7 +53,10 @@ def parser() -> argparse.ArgumentParser:
                         "and --loras); each is measured in turn into the same results")
     p.add_argument("--controlnet-gpus", type=int_list, default=None,
                    help="GPU ids of Easel's ControlNet service (default: the denoisers' GPUs)")
-    p.add_argument("--gpus", type=int_list, default=(0,), help="Easel's GPU ids (one denoiser each); "
+    p.add_argument("--cfg-parallel", type=gpu_pairs, default=(),
+                   help="Easel with latent parallelism: one denoiser per GPU pair, e.g. 0:1 (export --cfg-parallel; "
+                        "instead of --gpus)")
+    p.add_argument("--gpus", type=int_list, default=None, help="Easel's GPU ids (one denoiser each; default 0); "
                    "diffusers runs on the first")
     p.add_argument("--skip-easel", action="store_true", help="keep Easel's results already in --out")
     p.add_argument("--skip-diffusers-eager", action="store_true", help="keep those already in --out")
@@ -64,6 +67,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--replot", type=Path, default=None, metavar="DIR",
                    help="only rewrite DIR/results.md and the plots from DIR/results.json")
     return p
+
+
+def gpu_pairs(text: str) -> tuple[tuple[int, int], ...]:
+    from export.cli import _gpu_pairs
+
+    return _gpu_pairs(text)
 
 
 def config_list(text: str) -> tuple[tuple[int, int], ...]:
@@ -108,7 +117,8 @@ class Setup:
     controlnets: int
     loras: int
     lora_mib: float
-    gpus: tuple[int, ...]
+    gpus: tuple[int, ...]  # one denoiser each (with cfg_parallel: each pair's first)
+    cfg_parallel: tuple[tuple[int, int], ...]
     controlnet_gpus: tuple[int, ...] | None
     ready_timeout: float
     smoke: bool
@@ -116,6 +126,11 @@ class Setup:
     @property
     def name(self) -> str:
         return f"{self.controlnets}C/{self.loras}L"
+
+    @property
+    def denoiser_gpus(self) -> tuple[int, ...]:
+        """Every GPU the denoisers compute on."""
+        return tuple(g for pair in self.cfg_parallel for g in pair) or self.gpus
 
     @property
     def torch_device(self) -> str:
@@ -150,12 +165,15 @@ def resolve(args: argparse.Namespace) -> Setup:
     pick = {k: getattr(args, k) if getattr(args, k) is not None else v for k, v in defaults.items()}
     if min(pick["concurrency"]) < 1 or pick["runs"] < 1:
         raise SystemExit("easel bench: --runs and every --concurrency level must be at least 1")
+    if args.cfg_parallel and (args.gpus or smoke):
+        raise SystemExit("easel bench: --cfg-parallel names the GPUs (not with --gpus or --cpu-smoke)")
+    gpus = tuple(a for a, _ in args.cfg_parallel) or tuple(args.gpus or (0,))
     work = args.work or Path(tempfile.gettempdir()) / ("easel-bench-smoke" if smoke else "easel-bench")
     return Setup(work=work, device="cpu" if smoke else "cuda", dtype="fp32" if smoke else "fp16",
                  runtime="eager" if smoke else args.runtime, rounds=args.throughput_rounds,
                  row_buckets=args.row_buckets, fused_kernels=args.fused_kernels, controlnets=args.controlnets,
                  loras=args.loras,
-                 lora_mib=0.25 if smoke else args.lora_mib, gpus=tuple(args.gpus),
+                 lora_mib=0.25 if smoke else args.lora_mib, gpus=gpus, cfg_parallel=tuple(args.cfg_parallel),
                  controlnet_gpus=tuple(args.controlnet_gpus) if args.controlnet_gpus else None,
                  ready_timeout=args.ready_timeout,
                  smoke=smoke, **pick)

@@ -87,17 +87,20 @@ def config_entry(results: dict, setup: Setup, skip: set[str] = frozenset()) -> d
     GPUs and Easel runtime (phases measured now replace its old ones), or a new one. A new one
     takes the diffusers phases it skips from an entry that differs only in Easel's runtime
     (diffusers does not depend on it), so each Easel runtime gets its ratios."""
-    def key(name, size, steps, gpus, controlnet_gpus):
-        return (name, size, steps, tuple(gpus or ()), tuple(controlnet_gpus or ()))
+    def key(name, size, steps, gpus, controlnet_gpus, cfg_parallel):
+        return (name, size, steps, tuple(gpus or ()), tuple(controlnet_gpus or ()),
+                tuple(tuple(p) for p in cfg_parallel or ()))
 
-    mine = key(setup.name, setup.size, setup.steps, setup.gpus, setup.controlnet_gpus)
+    mine = key(setup.name, setup.size, setup.steps, setup.denoiser_gpus, setup.controlnet_gpus, setup.cfg_parallel)
     siblings = [e for e in results["configs"]
-                if key(e.get("name"), e.get("size"), e.get("steps"), e.get("gpus"), e.get("controlnet_gpus")) == mine]
+                if key(e.get("name"), e.get("size"), e.get("steps"), e.get("gpus"), e.get("controlnet_gpus"),
+                       e.get("cfg_parallel")) == mine]
     for entry in siblings:
         if entry.get("runtime") == setup.resolved_runtime:
             return entry
-    entry = {"name": setup.name, "size": setup.size, "steps": setup.steps, "gpus": list(setup.gpus),
+    entry = {"name": setup.name, "size": setup.size, "steps": setup.steps, "gpus": list(setup.denoiser_gpus),
              "controlnet_gpus": list(setup.controlnet_gpus) if setup.controlnet_gpus else None,
+             "cfg_parallel": [list(p) for p in setup.cfg_parallel] or None,
              "runtime": setup.resolved_runtime}
     for system in ("diffusers_eager", "diffusers_compiled"):
         source = next((e for e in siblings if system in skip and phase(e, system)), None)
@@ -215,16 +218,19 @@ def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> No
         extra["fused_kernels"] = True
     top = max(setup.concurrency)
     options = ExportOptions(
-        device=setup.device, dtype=setup.dtype, gpus=setup.gpus, max_size=max(setup.size, 64),
+        device=setup.device, dtype=setup.dtype, gpus=setup.gpus, cfg_parallel=setup.cfg_parallel,
+        max_size=max(setup.size, 64),
         max_steps=max(150, setup.steps, setup.throughput_steps), runtime=setup.runtime, warmup_sizes=(setup.size,),
         max_in_flight=max(56, top + 48), max_running=max(16, top), max_batch_rows=max(16, 2 * top),
         adapters=str(store) if store else None, max_controlnets=max(3, setup.controlnets),
         max_loras=max(3, setup.loras), controlnet_instances=max(1, setup.controlnets),
         controlnet_gpus=setup.controlnet_gpus, **extra)
-    if 2 * top > max(options.row_buckets):
-        log.warning("concurrency %d needs %d UNet rows; the largest bucket is %d (more rows run eager)",
-                    top, 2 * top, max(options.row_buckets))
-    rec.update(date=now(), runtime=setup.resolved_runtime, row_buckets=list(options.row_buckets),
+    buckets = options.resolved_row_buckets
+    rows = top if setup.cfg_parallel else 2 * top  # each GPU of a pair runs half the rows
+    if rows > max(buckets):
+        log.warning("concurrency %d needs %d UNet rows a GPU; the largest bucket is %d (more rows run eager)",
+                    top, rows, max(buckets))
+    rec.update(date=now(), runtime=setup.resolved_runtime, row_buckets=list(buckets),
                export_options=dataclasses.asdict(options), repo=str(repo))
     start = time.perf_counter()
     export_repository(prep["model"], repo, options)
@@ -376,7 +382,8 @@ def run(setup: Setup, out: Path, skip: set[str], argv: list[str]) -> int:
                    versions={**results.get("versions", {}), **versions()}, command=list(sys.argv),
                    args=argv, date=now())
     entry = config_entry(results, setup, skip)
-    entry.update(name=setup.name, controlnets=setup.controlnets, loras=setup.loras, gpus=list(setup.gpus),
+    entry.update(name=setup.name, controlnets=setup.controlnets, loras=setup.loras, gpus=list(setup.denoiser_gpus),
+                 cfg_parallel=[list(p) for p in setup.cfg_parallel] or None,
                  controlnet_gpus=list(setup.controlnet_gpus) if setup.controlnet_gpus else None,
                  runtime=setup.resolved_runtime, gpu=gpu, size=setup.size, steps=setup.steps,
                  throughput_steps=setup.throughput_steps,
@@ -475,7 +482,7 @@ def main(argv: list[str] | None = None) -> int:
 
         if not torch.cuda.is_available():
             raise SystemExit("easel bench: no CUDA device (use --cpu-smoke to test the script on CPU)")
-    out = args.out or RESULTS_DIR / f"{datetime.date.today().isoformat()}-{gpu_slug(gpu_name(setup), len(setup.gpus))}"
+    out = args.out or RESULTS_DIR / f"{datetime.date.today().isoformat()}-{gpu_slug(gpu_name(setup), len(setup.denoiser_gpus))}"
     skip = {s for s, flag in (("easel", args.skip_easel), ("diffusers_eager", args.skip_diffusers_eager),
                               ("diffusers_compiled", args.skip_diffusers_compiled or setup.smoke)) if flag}
     setup.work.mkdir(parents=True, exist_ok=True)

@@ -29,6 +29,17 @@ def _gpus(text: str) -> tuple[int, ...]:
     return gpus
 
 
+def _gpu_pairs(text: str) -> tuple[tuple[int, int], ...]:
+    try:
+        pairs = tuple(tuple(int(g) for g in pair.split(":")) for pair in text.split(",") if pair.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--cfg-parallel: {text!r} is not a list of GPU pairs like 0:1,2:3") from None
+    used = [g for pair in pairs for g in pair]
+    if not pairs or any(len(p) != 2 for p in pairs) or min(used) < 0 or len(set(used)) != len(used):
+        raise argparse.ArgumentTypeError(f"--cfg-parallel: {text!r} must pair distinct GPU ids, like 0:1,2:3")
+    return pairs
+
+
 def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="easel")
     sub = p.add_subparsers(dest="command", required=True)
@@ -49,7 +60,10 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     exp.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default=None,
                      help="default: fp32 on cpu, fp16 on cuda")
-    exp.add_argument("--gpus", type=_gpus, default=(0,), help="one denoiser per GPU id, e.g. 0,1")
+    exp.add_argument("--gpus", type=_gpus, default=None, help="one denoiser per GPU id, e.g. 0,1 (default 0)")
+    exp.add_argument("--cfg-parallel", type=_gpu_pairs, default=(),
+                     help="latent parallelism: one denoiser per GPU pair, e.g. 0:1,2:3, each running the "
+                          "conditional rows on its first GPU and the unconditional on its second (replaces --gpus)")
     exp.add_argument("--max-size", type=int, default=2048, help="largest width/height a request may ask for")
     exp.add_argument("--max-steps", type=int, default=150)
     exp.add_argument("--default-steps", type=int, default=30)
@@ -80,8 +94,9 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--runtime", choices=("eager", "graphs", "compiled"), default=None,
                      help="how the UNet runs: eager, CUDA graphs per bucket, or compiled + graphs "
                           "(default: compiled on cuda, eager on cpu)")
-    exp.add_argument("--row-buckets", type=_positive_ints("--row-buckets"), default=(2, 4, 8, 16),
-                     help="UNet row counts captured as graphs, e.g. 2,4,8,16 (a step with guidance takes 2 a request)")
+    exp.add_argument("--row-buckets", type=_positive_ints("--row-buckets"), default=None,
+                     help="UNet row counts captured as graphs (default 2,4,8,16; a step with guidance takes 2 a "
+                          "request; with --cfg-parallel 1,2,4,8, as each GPU runs half the rows)")
     exp.add_argument("--warmup-sizes", type=_positive_ints("--warmup-sizes"), default=(),
                      help="square image sizes (px) whose graphs are captured (and compiled) before ready, e.g. 1024")
     exp.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
@@ -115,7 +130,11 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "export":
         from .repository import ExportOptions, export_repository
 
-        options = ExportOptions(device=args.device, dtype=args.dtype, gpus=args.gpus, max_size=args.max_size,
+        if args.cfg_parallel and args.gpus:
+            parser().error("export: give --gpus or --cfg-parallel, not both (the pairs name the GPUs)")
+        gpus = tuple(a for a, _ in args.cfg_parallel) or args.gpus or (0,)
+        options = ExportOptions(device=args.device, dtype=args.dtype, gpus=gpus, cfg_parallel=args.cfg_parallel,
+                                max_size=args.max_size,
                                 max_steps=args.max_steps, default_steps=args.default_steps,
                                 max_in_flight=args.max_in_flight, max_batch_rows=args.max_batch_rows,
                                 max_running=args.max_batch_rows, max_queue=args.max_queue, onnx=args.onnx, adapters=args.adapters,

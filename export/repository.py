@@ -40,7 +40,11 @@ class ExportOptions:
     device: str = "cpu"  # where the repository's engines run: cpu or cuda
     dtype: str | None = None  # fp32 | fp16 | bf16; default fp32 on cpu, fp16 on cuda
     gpus: tuple[int, ...] = (0,)  # one denoiser per GPU (cuda only)
+    # Latent parallelism (cuda): one denoiser per GPU pair, the conditional rows on the first GPU
+    # and the unconditional on the second; `gpus` then lists the pairs' first GPUs.
+    cfg_parallel: tuple[tuple[int, int], ...] = ()
     cpu_denoisers: int = 1  # cpu only: several denoisers share the ControlNet service (tests)
+    cpu_cfg_parallel: bool = False  # cpu only: each denoiser splits guidance over two copies (tests)
     max_size: int = 2048
     max_steps: int = 150
     default_steps: int = 30
@@ -63,7 +67,8 @@ class ExportOptions:
     # The UNet runtime (backends/core/runtime/config.py): eager | graphs | compiled; default: the
     # fast one on a GPU, eager on CPU.
     runtime: str | None = None
-    row_buckets: tuple[int, ...] = (2, 4, 8, 16)
+    # Default: 2, 4, 8, 16; with latent parallelism 1, 2, 4, 8 (each GPU runs half the rows).
+    row_buckets: tuple[int, ...] | None = None
     # Image sizes (square, px) whose buckets are captured (compiled) at load; default for a fast
     # runtime: the model's own size.
     warmup_sizes: tuple[int, ...] = ()
@@ -80,6 +85,16 @@ class ExportOptions:
             raise ValueError(f"dtype: {self.dtype!r} is not one of {list(DTYPE_NAMES)}")
         if self.device == "cuda" and not self.gpus:
             raise ValueError("gpus: at least one GPU id is needed with --device cuda")
+        if self.cfg_parallel:
+            used = [g for pair in self.cfg_parallel for g in pair]
+            if self.device != "cuda":
+                raise ValueError("cfg_parallel: GPU pairs need --device cuda")
+            if any(len(pair) != 2 for pair in self.cfg_parallel) or len(set(used)) != len(used) or min(used) < 0:
+                raise ValueError(f"cfg_parallel: {self.cfg_parallel} must be pairs of distinct GPU ids")
+            if self.gpus != tuple(a for a, _ in self.cfg_parallel):
+                raise ValueError(f"gpus: {self.gpus} must be the first GPU of each cfg_parallel pair")
+        if self.cpu_cfg_parallel and self.device != "cpu":
+            raise ValueError("cpu_cfg_parallel: only with --device cpu (on GPUs, give cfg_parallel pairs)")
         if self.lora_loaders < 1:
             raise ValueError(f"lora_loaders: {self.lora_loaders} is not a positive number of processes")
         if self.runtime is not None and self.runtime not in RUNTIME_KINDS:
@@ -99,9 +114,22 @@ class ExportOptions:
         fast = self.resolved_runtime != "eager"
         pixels = self.warmup_sizes or ((default_size,) if fast else ())
         sizes = tuple((s // vae_scale_factor, s // vae_scale_factor) for s in pixels)
-        return RuntimeConfig(kind=self.resolved_runtime, row_buckets=self.row_buckets, warmup_sizes=sizes,
+        return RuntimeConfig(kind=self.resolved_runtime, row_buckets=self.resolved_row_buckets, warmup_sizes=sizes,
                              warmup_residuals=bool(self.adapters), channels_last=self.channels_last,
                              fused_kernels=self.fused_kernels)
+
+    @property
+    def cfg_parallel_devices(self) -> list[str | None]:
+        """Each denoiser's second device (DenoiserConfig.cfg_parallel_device), in denoiser order."""
+        if self.cfg_parallel:
+            return [f"cuda:{b}" for _, b in self.cfg_parallel]
+        return [("cpu" if self.cpu_cfg_parallel else None)] * len(self.denoiser_names())
+
+    @property
+    def resolved_row_buckets(self) -> tuple[int, ...]:
+        if self.row_buckets is not None:
+            return self.row_buckets
+        return (1, 2, 4, 8) if self.cfg_parallel or self.cpu_cfg_parallel else (2, 4, 8, 16)
 
     @property
     def resolved_vae_attention(self) -> str:
@@ -193,7 +221,7 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
     # denoisers: the UNet's two halves once, in the first denoiser's folder; the others point there.
     names = options.denoiser_names()
     shared = f"{names[0]}/{VERSION}"
-    for index, name in enumerate(names):
+    for index, (name, cfg_device) in enumerate(zip(names, options.cfg_parallel_devices)):
         model = _fresh_model_dir(repo, name)
         if index == 0:
             unet_dir = model / VERSION / UNET_DIR
@@ -210,7 +238,8 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
             limits=limits, runtime=options.runtime_config(vae_scale_factor, default_size), max_running=options.max_running,
             max_queue=options.max_queue, max_batch_rows=options.max_batch_rows, lora_loaders=options.lora_loaders,
             lora_bound_steps=options.lora_bound_steps,
-            controlnet_model="controlnet" if options.adapters else None, controlnet_mode=options.controlnet_mode)
+            controlnet_model="controlnet" if options.adapters else None, controlnet_mode=options.controlnet_mode,
+            cfg_parallel_device=cfg_device)
         params = {**engine_params, "denoiser": config.to_json()}
         if options.adapters:
             params["adapters"] = store

@@ -278,6 +278,29 @@ def test_cuda_export_writes_one_denoiser_per_gpu(cuda_repo):
             assert {f.get_slice(k).get_dtype() for k in f.keys()} == {"F16"}
 
 
+def test_cfg_parallel_export_makes_one_denoiser_per_gpu_pair(tiny_model, tmp_path):
+    """`easel export --cfg-parallel 0:1,2:3`: each pair is one denoiser (on its first GPU, named by
+    it), which runs the unconditional rows on the second GPU; buckets of half the rows."""
+    from export.cli import main
+
+    repo = tmp_path / "repo"
+    assert main(["export", "--model", str(tiny_model), "--out", str(repo), "--device", "cuda",
+                 "--cfg-parallel", "0:1,2:3"]) == 0
+    parsed = configs(repo)
+    assert not {"denoiser_gpu1", "denoiser_gpu3"} & set(parsed)
+    for first, second in ((0, 1), (2, 3)):
+        config = parsed[f"denoiser_gpu{first}"]
+        (group,) = config.instance_group
+        assert list(group.gpus) == [first]
+        denoiser = DenoiserConfig.from_json(params_of(config)["denoiser"])
+        assert denoiser.cfg_parallel_device == f"cuda:{second}"
+        assert denoiser.runtime.row_buckets == (1, 2, 4, 8)
+    assert params_of(parsed["easel"])["denoisers"] == "denoiser_gpu0,denoiser_gpu2"
+    with pytest.raises(SystemExit):  # the pairs name the GPUs
+        main(["export", "--model", str(tiny_model), "--out", str(repo), "--device", "cuda", "--gpus", "0",
+              "--cfg-parallel", "0:1"])
+
+
 def test_export_json_records_the_options(cuda_repo):
     info = json.loads((cuda_repo / "easel_export.json").read_text())
     assert info["options"]["device"] == "cuda" and info["options"]["gpus"] == [0, 1]
@@ -288,6 +311,10 @@ def test_export_json_records_the_options(cuda_repo):
     (dict(device="tpu"), "device"),
     (dict(dtype="int8"), "dtype"),
     (dict(device="cuda", gpus=()), "gpus"),
+    (dict(device="cuda", gpus=(0,), cfg_parallel=((0, 0),)), "pairs of distinct GPU ids"),
+    (dict(device="cuda", gpus=(0, 1), cfg_parallel=((0, 1),)), "first GPU of each cfg_parallel pair"),
+    (dict(device="cpu", cfg_parallel=((0, 1),)), "need --device cuda"),
+    (dict(device="cuda", cpu_cfg_parallel=True), "only with --device cpu"),
 ])
 def test_bad_export_options_are_rejected(kwargs, match):
     with pytest.raises(ValueError, match=match):

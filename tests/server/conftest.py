@@ -40,7 +40,9 @@ def server(tiny_model, tiny_repo):
 @pytest.fixture(scope="session")
 def shared(tiny_model, tmp_path_factory):
     """A second server: two CPU denoisers sharing one ControlNet service, on a copy of the tiny
-    store with broken adapters added (tests/server/test_controlnet_service.py, test_lora.py)."""
+    store with broken adapters added (tests/server/test_controlnet_service.py, test_lora.py). Each
+    denoiser splits guidance over two copies of the UNet (latent parallelism's wiring on the CPU),
+    so what these tests compare with `server` also checks that path (test_cfg_parallel.py)."""
     root = tmp_path_factory.mktemp("shared")
     store = root / "adapters"
     shutil.copytree(tiny_model / "adapters", store)
@@ -49,7 +51,7 @@ def shared(tiny_model, tmp_path_factory):
     weights = broken / "diffusion_pytorch_model.safetensors"
     weights.write_bytes(weights.read_bytes()[:1000])  # truncated
     write_broken_loras(store / "loras", root / "outside")
-    options = dataclasses.replace(OPTIONS, adapters=str(store), cpu_denoisers=2)
+    options = dataclasses.replace(OPTIONS, adapters=str(store), cpu_denoisers=2, cpu_cfg_parallel=True)
     export_repository(tiny_model, root / "repo", options)
     srv = TritonServer(root / "repo", http_port=0, grpc_port=0, metrics_port=0, ready_timeout=300).start()
     srv.wait_ready()

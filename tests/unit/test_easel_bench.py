@@ -142,3 +142,21 @@ def test_configs_flag_measures_several_configurations_in_one_run():
     elsewhere = dataclasses.replace(setups[1], controlnet_gpus=None)
     assert easel_bench.config_entry(results, setups[1]) is first
     assert easel_bench.config_entry(results, elsewhere) is not first and len(results["configs"]) == 2
+
+
+def test_cfg_parallel_flag_names_the_gpu_pairs():
+    parse = bench_setup.parser().parse_args
+    (setup,) = bench_setup.resolve_all(parse(["--cfg-parallel", "0:1"]))
+    assert setup.gpus == (0,) and setup.cfg_parallel == ((0, 1),) and setup.denoiser_gpus == (0, 1)
+    with pytest.raises(SystemExit, match="not with --gpus"):
+        bench_setup.resolve(parse(["--cfg-parallel", "0:1", "--gpus", "0"]))
+    for bad in ("0:0", "0", "0:1:2", "a:b"):
+        with pytest.raises(SystemExit):
+            parse(["--cfg-parallel", bad])
+    # Latent parallelism is another configuration than one GPU, and than two replicas.
+    results = {"configs": []}
+    single = bench_setup.resolve(parse([]))
+    replicas = bench_setup.resolve(parse(["--gpus", "0,1"]))
+    entries = [easel_bench.config_entry(results, s) for s in (setup, single, replicas)]
+    assert len({id(e) for e in entries}) == 3
+    assert entries[0]["gpus"] == [0, 1] and entries[0]["cfg_parallel"] == [[0, 1]]

@@ -18,6 +18,7 @@ import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
 import torch
@@ -194,14 +195,19 @@ class ModelLayers:
 
 
 class LoraMerger:
-    """Merges LoRAs into one model's Linear weights in place and puts the originals back.
+    """Merges LoRAs into a model's Linear weights in place and puts the originals back; into every
+    copy of the model given (latent parallelism keeps one per GPU), each on its own device.
     `seconds()` is the time merges and restores have taken so far: device time on a GPU (CUDA
-    events, read once they have completed, so nothing waits for them), wall time on a CPU."""
+    events on the first copy's device, read once they have completed, so nothing waits for them;
+    the other copies merge at the same time on theirs), wall time on a CPU."""
 
-    def __init__(self, model: torch.nn.Module):
-        self.layers = ModelLayers(model)
-        self._cuda = any(w.is_cuda for w in model.parameters())  # how merges are timed
-        self._saved: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # module -> (weight, its original)
+    def __init__(self, model: torch.nn.Module | Sequence[torch.nn.Module]):
+        copies = [model] if isinstance(model, torch.nn.Module) else list(model)
+        self.copies = [ModelLayers(m) for m in copies]
+        self.layers = self.copies[0]  # what a LoRA is checked against
+        self._cuda = any(w.is_cuda for w in copies[0].parameters())  # how merges are timed
+        # (copy, module) -> (weight, its original)
+        self._saved: dict[tuple[int, str], tuple[torch.Tensor, torch.Tensor]] = {}
         self._seconds = 0.0
         self._timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         self._lock = threading.Lock()  # the loop thread times, the metrics thread reads
@@ -211,24 +217,25 @@ class LoraMerger:
         """Set the weights to base + the given LoRAs at the given scales (replacing any earlier merge)."""
         with self._timed():  # checks included: the loop does nothing else meanwhile
             terms: dict[str, list[tuple[LoraLayer, float]]] = {}
-            weights: dict[str, torch.Tensor] = {}
             for lora, scale in loras:  # every layer checked before any weight changes (all or nothing)
                 for module, layer in lora.unet.items():
-                    weights[module] = self.layers.weight(lora.name, module, layer)
+                    self.layers.weight(lora.name, module, layer)
                     terms.setdefault(module, []).append((layer, scale * layer.scale))
             self._restore(keep=set(terms))
-            for module, weight in weights.items():
-                if module not in self._saved:
-                    self._saved[module] = weight, weight.detach().clone()
-            for (shape, device, ranks_scales), modules in _groups(weights, terms).items():
-                per_chunk = max(1, DELTA_BYTES // (4 * shape[0] * shape[1]))
-                for first in range(0, len(modules), per_chunk):
-                    chunk = modules[first:first + per_chunk]
-                    deltas = _deltas([[terms[m][j][0] for m in chunk] for j in range(len(ranks_scales))],
-                                     [scale for _, scale in ranks_scales], device)
-                    for module, delta in zip(chunk, deltas):
-                        # base (fp16) + delta (fp32), summed in fp32, rounded once into the weight, in place
-                        torch.add(self._saved[module][1], delta, out=weights[module])
+            for copy, layers in enumerate(self.copies):
+                weights = {module: layers.modules[module].weight for module in terms}
+                for module, weight in weights.items():
+                    if (copy, module) not in self._saved:
+                        self._saved[copy, module] = weight, weight.detach().clone()
+                for (shape, device, ranks_scales), modules in _groups(weights, terms).items():
+                    per_chunk = max(1, DELTA_BYTES // (4 * shape[0] * shape[1]))
+                    for first in range(0, len(modules), per_chunk):
+                        chunk = modules[first:first + per_chunk]
+                        deltas = _deltas([[terms[m][j][0] for m in chunk] for j in range(len(ranks_scales))],
+                                         [scale for _, scale in ranks_scales], device)
+                        for module, delta in zip(chunk, deltas):
+                            # base (fp16) + delta (fp32), summed in fp32, rounded once into the weight, in place
+                            torch.add(self._saved[copy, module][1], delta, out=weights[module])
 
     @torch.no_grad()
     def restore(self) -> None:
@@ -244,9 +251,9 @@ class LoraMerger:
             return self._seconds
 
     def _restore(self, keep: set[str] = frozenset()) -> None:
-        for module in list(self._saved):
+        for copy, module in list(self._saved):
             if module not in keep:  # (those are about to be overwritten)
-                weight, original = self._saved.pop(module)
+                weight, original = self._saved.pop((copy, module))
                 weight.copy_(original)
 
     @contextmanager

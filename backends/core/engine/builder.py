@@ -70,7 +70,33 @@ class Denoiser:
             self.engine.controlnets.shutdown()
 
 
-def build_runtime(folder: Path, placement: Placement, config: RuntimeConfig) -> UNetRuntime:
+def build_runtime(folder: Path, placement: Placement, config: RuntimeConfig,
+                  cfg_parallel_device: str | None = None) -> UNetRuntime:
+    """The configured runtime over the folder's halves; with `cfg_parallel_device`, one on each
+    device of the pair, the second over its own copy of the weights (runtime/cfg_parallel.py)."""
+    if cfg_parallel_device is None:
+        return _runtime(folder, placement, config)
+    from backends.core.runtime.cfg_parallel import CfgParallelRuntime
+
+    if cfg_parallel_device == placement.device and placement.device != "cpu":
+        raise ValueError(f"cfg_parallel_device: {cfg_parallel_device} is the denoiser's own device; "
+                         "latent parallelism needs another GPU")
+    if (cfg_parallel_device == "cpu") != (placement.device == "cpu"):
+        raise ValueError(f"cfg_parallel_device: {cfg_parallel_device} beside a denoiser on {placement.device}: "
+                         "both halves run on GPUs, or both on the CPU")
+    other = Placement(cfg_parallel_device, placement.dtype)
+    primary = _runtime(folder, placement, config)
+    if other.device.startswith("cuda"):
+        import torch
+
+        with torch.cuda.device(torch.device(other.device)):  # graph pools and compiles follow it
+            secondary = _runtime(folder, other, config)
+    else:
+        secondary = _runtime(folder, other, config)
+    return CfgParallelRuntime(primary, secondary, other.device)
+
+
+def _runtime(folder: Path, placement: Placement, config: RuntimeConfig) -> UNetRuntime:
     eager = EagerUNetRuntime(*load_unet_halves(folder, placement))
     if config.kind == "eager":
         return eager
@@ -84,7 +110,7 @@ def build_denoiser(config: DenoiserConfig, folder: str | Path, placement: Placem
                    controlnets: Callable[[TorchDenoiser, AdapterStore | None], object] | None = None) -> Denoiser:
     """`controlnets(engine, store)` makes the ControlNet provider (the adapter's BLS client), if any."""
     folder = Path(folder)
-    runtime = build_runtime(folder, placement, config.runtime)
+    runtime = build_runtime(folder, placement, config.runtime, config.cfg_parallel_device)
     engine = TorchDenoiser(folder, placement, controlnet_mode=config.controlnet_mode, runtime=runtime)
     store = AdapterStore(store_folder) if store_folder else None
     if controlnets is not None and config.controlnet_model:

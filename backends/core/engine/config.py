@@ -35,6 +35,10 @@ class DenoiserConfig:
     lora_bound_steps: int = 0  # steps a request may run before its LoRAs must be merged (0: exact)
     controlnet_model: str | None = None  # the ControlNet service's Triton model, called by BLS
     controlnet_mode: str = "sync"  # or "pipelined" (step t uses step t-1's residuals; approximate)
+    # Latent parallelism (backends/core/runtime/cfg_parallel.py): the device of the unconditional
+    # rows, e.g. "cuda:1"; the denoiser's own runs the rest. "cpu" beside a CPU denoiser runs the
+    # same split on a second copy there (tests the wiring; no speed-up). None: one device.
+    cfg_parallel_device: str | None = None
 
     def __post_init__(self):
         if isinstance(self.limits, dict):
@@ -48,6 +52,9 @@ class DenoiserConfig:
             raise ValueError(f"denoiser.max_queue: {self.max_queue} is negative")
         if self.lora_bound_steps < 0:
             raise ValueError(f"denoiser.lora_bound_steps: {self.lora_bound_steps} is negative")
+        if self.cfg_parallel_device is not None and not (
+                self.cfg_parallel_device == "cpu" or self.cfg_parallel_device.startswith("cuda:")):
+            raise ValueError(f"denoiser.cfg_parallel_device: {self.cfg_parallel_device!r} is not cpu or cuda:N")
         if self.controlnet_mode not in CONTROLNET_MODES:
             raise ValueError(f"denoiser.controlnet_mode: {self.controlnet_mode!r} is not one of {CONTROLNET_MODES}")
 

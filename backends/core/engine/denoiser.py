@@ -13,7 +13,7 @@ import itertools
 import json
 import time
 from concurrent.futures import Future
-from contextlib import nullcontext
+from contextlib import ExitStack, nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -147,14 +147,20 @@ class TorchDenoiser:
         self.control_wait_s = 0.0
         self.control_calls = 0
         # LoRAs: merged in place when the whole batch shares one set, else computed unmerged.
-        self.lora_merger = LoraMerger(self.unet)
+        self.lora_merger = LoraMerger(self.runtime.weight_copies)
         self.merged: tuple = ()
         # Times the halves and the sampler of the loop's steps (events on our stream on a GPU).
         self.clock = StepClock(self.stream)
 
     def on_stream(self):
-        """Context for the thread that owns the engine: its work goes to the engine's stream."""
-        return torch.cuda.stream(self.stream) if self.stream is not None else nullcontext()
+        """Context for the thread that owns the engine: its work goes to the engine's stream (and,
+        on other devices the runtime computes on, to the runtime's streams there)."""
+        if self.stream is None:
+            return nullcontext()
+        stack = ExitStack()
+        for stream in (*self.runtime.streams, self.stream):  # ours last: it leaves our device current
+            stack.enter_context(torch.cuda.stream(stream))
+        return stack
 
     def latent_shape(self, params: GenerateParams) -> tuple[int, int]:
         return params.height // self.vae_scale_factor, params.width // self.vae_scale_factor
@@ -219,13 +225,14 @@ class TorchDenoiser:
         lora_segments = self._loras(states)  # (merges first: the text key names the merged set)
         batch = StepBatch(sample, timestep, embeds, torch.cat([s.pooled for s in states]),
                           torch.cat([s.time_ids for s in states]), lora_segments=lora_segments,
-                          text_key=(self.merged, tuple(s.serial for s in states)))
+                          text_key=(self.merged, tuple(s.serial for s in states)),
+                          rows_per_request=tuple(s.rows for s in states))
         clock = self.clock
         clock.mark(ENCODER)
         enc = self.runtime.encode(batch)
         clock.mark(ENCODED)
         failed: dict[str, str] = {}
-        residuals = self._collect_controls(states, pending, enc.skips, enc.mid, failed)
+        residuals = self._collect_controls(states, pending, failed)
         clock.mark(DECODER)
         noise = self.runtime.decode(batch, enc, residuals)
         clock.mark(DECODED)
@@ -355,29 +362,34 @@ class TorchDenoiser:
             s.stale_controls = fresh
         return used
 
-    def _collect_controls(self, states, pending, skips, mid, failed):
-        """Residuals for the whole batch: each request's summed ControlNets on its rows, zeros elsewhere."""
+    def _collect_controls(self, states, pending, failed):
+        """Residuals for the whole batch: each request's summed ControlNets on its rows, zeros
+        elsewhere; None when no request has any."""
         if not any(pending):
             return None
-        downs, mids, row = [], [], 0
+        summed = []
         start = time.perf_counter()
         for s, futures in zip(states, pending):
-            rows = slice(row, row + s.rows)
-            row += s.rows
             try:
                 results = [f.result() for f in futures]
                 self._adopt(t for down, m in results for t in (*down, m))  # made on a BLS thread's stream
-                summed = sum_residuals(results)
+                summed.append(sum_residuals(results))
             except Exception as exc:  # this request's ControlNet failed: it alone leaves
                 # (a client's mistake or an adapter not found stays that, for its status code)
                 failed[s.job.request_id] = exc if isinstance(exc, InvalidInput) else f"controlnet: {exc}"
-                summed = None
-            if summed is None:
-                summed = [torch.zeros_like(k[rows]) for k in skips], torch.zeros_like(mid[rows])
-            downs.append(summed[0])
-            mids.append(summed[1])
+                summed.append(None)
         self.control_wait_s += time.perf_counter() - start
         self.control_calls += sum(len(f) for f in pending)
+        shapes = next((r for r in summed if r is not None), None)
+        if shapes is None:
+            return None
+        downs, mids = [], []
+        for s, r in zip(states, summed):
+            if r is None:
+                r = [d.new_zeros((s.rows, *d.shape[1:])) for d in shapes[0]], shapes[1].new_zeros(
+                    (s.rows, *shapes[1].shape[1:]))
+            downs.append(r[0])
+            mids.append(r[1])
         return [torch.cat(parts) for parts in zip(*downs)], torch.cat(mids)
 
     def snapshot(self, state: RequestState) -> LatentSnapshot:

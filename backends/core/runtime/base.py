@@ -89,6 +89,9 @@ class StepBatch:
     # the same rows under the same weights, so a runtime may reuse what it derived from them (the
     # fast runtime's text K/V projections). None: nothing is reused.
     text_key: tuple | None = None
+    # Each request's rows, in order (a request with guidance has two, unconditional first), for a
+    # runtime that places rows by request (latent parallelism). None: not known; rows stay together.
+    rows_per_request: tuple[int, ...] | None = None
     token_masks: torch.Tensor | None = None  # [rows, h*w], True where a token is computed
     patches: PatchLayout | None = None
 
@@ -103,8 +106,8 @@ class StepBatch:
 
 @dataclass
 class EncoderOut:
-    """What the encoder half hands to the decoder half. A graphed runtime returns views of its
-    static buffers: valid until its next `encode`."""
+    """What the encoder half hands to the decoder half: read only by the runtime that made it. A
+    graphed runtime returns views of its static buffers: valid until its next `encode`."""
 
     emb: torch.Tensor
     mid: torch.Tensor
@@ -121,6 +124,12 @@ class UNetRuntime(Protocol):
     # The module whose parameters are this runtime's weights: a LoRA merge writes into them in
     # place (caps.inplace_refit), which captured graphs see.
     weights_module: nn.Module
+    # Every copy of the weights a step computes with (weights_module first): a LoRA merge writes
+    # into each. One, unless the runtime spreads a step over devices (runtime/cfg_parallel.py).
+    weight_copies: tuple[nn.Module, ...]
+    # Streams on other devices that the runtime computes on: the thread that drives it keeps them
+    # current there, so that what it launches on those devices (a merge) is ordered with the runtime.
+    streams: tuple[torch.cuda.Stream, ...]
 
     def encode(self, batch: StepBatch) -> EncoderOut: ...
 

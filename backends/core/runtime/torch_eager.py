@@ -22,6 +22,8 @@ class EagerUNetRuntime:
 
     def __init__(self, unet, encoder: UNetEncoder, decoder: UNetDecoder):
         self.weights_module = unet
+        self.weight_copies = (unet,)
+        self.streams = ()
         self.encoder = encoder
         self.decoder = decoder
         self.layers = ModelLayers(unet)

@@ -79,6 +79,8 @@ class FastUNetRuntime:
         self.config = config
         self.device = device
         self.weights_module = eager.weights_module
+        self.weight_copies = eager.weight_copies
+        self.streams = ()
         self.caps = RuntimeCaps(name=config.kind, graphs=True, compiled=config.kind == "compiled")
         self.stats = eager.stats  # one account: the eager runtime counts the steps it runs for us
         self.pool = torch.cuda.graph_pool_handle()
@@ -274,7 +276,9 @@ def _graphed(fn, args, pool, compiled: bool = False) -> tuple[torch.cuda.CUDAGra
     current.wait_stream(side)
     graph = torch.cuda.CUDAGraph()
     # thread_local: loader and BLS threads may allocate while the loop thread captures.
-    with torch.cuda.graph(graph, pool=pool, capture_error_mode="thread_local"):
+    # Captured on the side stream, which is on the current device: torch.cuda.graph's default
+    # capture stream is one for the process, made on whichever device captured first.
+    with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
         out = fn(*args)
     return graph, out
 
