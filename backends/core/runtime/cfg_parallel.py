@@ -88,11 +88,12 @@ class CfgParallelRuntime:
             return self.primary.encode(batch)
         rows, ia, ib = split
         batch_a = self._side(batch, rows, 0, ia, self.device)
-        enc_a = self.primary.encode(batch_a)
-        # Everything of the secondary's, copies to it included, on its stream: a copy between two
-        # GPUs is ordered on both devices' current streams.
+        # The secondary's inputs first: a copy between two GPUs runs on the source device's current
+        # stream (ordered with the other's), so made after the primary's encoder it would wait for it.
         with self._on_secondary():
             batch_b = self._side(batch, rows, 1, ib, self.other)
+        enc_a = self.primary.encode(batch_a)
+        with self._on_secondary():
             enc_b = self.secondary.encode(batch_b)
         return EncoderOut(enc_a.emb, enc_a.mid, enc_a.skips, meta={"parallel": (split, batch_a, enc_a, batch_b, enc_b)})
 
@@ -101,10 +102,12 @@ class CfgParallelRuntime:
         if "parallel" not in enc.meta:
             return self.primary.decode(batch, enc, residuals)
         (rows, ia, ib), batch_a, enc_a, batch_b, enc_b = enc.meta["parallel"]
-        noise_a = self.primary.decode(batch_a, enc_a, _rows_of(residuals, ia, self.device))
+        res_a = _rows_of(residuals, ia, self.device)
+        with self._on_secondary():  # (before the primary's decoder, as in encode)
+            res_b = _rows_of(residuals, ib, self.other)
+        noise_a = self.primary.decode(batch_a, enc_a, res_a)
         with self._on_secondary():
-            noise_b = self.secondary.decode(batch_b, enc_b, _rows_of(residuals, ib, self.other))
-            noise_b = noise_b.to(self.device, non_blocking=True)
+            noise_b = self.secondary.decode(batch_b, enc_b, res_b).to(self.device, non_blocking=True)
         noise = torch.empty((batch.rows, *noise_a.shape[1:]), dtype=noise_a.dtype, device=self.device)
         noise.index_copy_(0, ia, noise_a)
         noise.index_copy_(0, ib, noise_b)
