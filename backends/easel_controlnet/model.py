@@ -27,6 +27,7 @@ from diffusers import ControlNetModel  # noqa: E402, F401  (pay the import when 
 from backends.bls_controlnets import sync_current_stream, to_triton  # noqa: E402
 from backends.core.adapters.store import AdapterStore  # noqa: E402
 from backends.core.adapters.controlnet import ControlCall, run_controlnet  # noqa: E402
+from backends.core.adapters.controlnet_graphs import ControlNetGraphs  # noqa: E402
 from backends.core.adapters.controlnet_cache import ControlNetCache  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
     Metrics, adapter_store_folder, each_request, parameters, placement, scalar, setup_logging)
@@ -50,15 +51,19 @@ class _CacheMetrics:
                             "seconds from a call's inputs to its residuals, loads included", "counter"),
         "resident": ("easel_controlnet_resident", "ControlNets resident", "gauge"),
         "resident_bytes": ("easel_controlnet_resident_bytes", "bytes of resident ControlNets", "gauge"),
+        "captures": ("easel_controlnet_graph_captures_total", "CUDA graphs of ControlNets captured", "counter"),
+        "replays": ("easel_controlnet_graph_replays_total", "ControlNet calls replayed from CUDA graphs", "counter"),
     }
 
     def __init__(self, args):
         labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
         self.metrics = Metrics(labels, {**self.CACHE_COUNTERS, **self.OTHERS})
 
-    def update(self, cache: ControlNetCache, compute_seconds: float) -> None:
+    def update(self, cache: ControlNetCache, compute_seconds: float, graphs: ControlNetGraphs | None) -> None:
         for key in self.CACHE_COUNTERS:
             self.metrics.set_total(key, getattr(cache.stats, key))
+        self.metrics.set_total("captures", graphs.captures if graphs else 0)
+        self.metrics.set_total("replays", graphs.replays if graphs else 0)
         self.metrics.set_total("compute_seconds", compute_seconds)
         resident = cache.resident
         self.metrics.set("resident", len(resident))
@@ -73,13 +78,15 @@ class TritonPythonModel:
         self.device = torch.device(self.placement.device)
         self.cache = ControlNetCache(AdapterStore(adapter_store_folder(args)), self.placement,
                                      budget_bytes=int(params["cache_bytes"]))
+        # On a fast runtime each resident ControlNet runs as CUDA graphs, one per call shape.
+        self.graphs = ControlNetGraphs() if params.get("graphs") == "true" and self.device.type == "cuda" else None
         self.metrics = _CacheMetrics(args)
         self.compute_seconds = 0.0
 
     def execute(self, requests):
         # marked: the denoisers call this model by BLS, which loses the status code (MARKS)
         responses = each_request(requests, self._run, "controlnet", marked=True)
-        self.metrics.update(self.cache, self.compute_seconds)
+        self.metrics.update(self.cache, self.compute_seconds, self.graphs)
         return responses
 
     @torch.inference_mode()
@@ -95,7 +102,7 @@ class TritonPythonModel:
                            t["prompt_embeds"].to(dtype), t["pooled_embeds"].to(dtype), t["time_ids"].to(dtype))
         model = self.cache.acquire(name)
         try:
-            down, mid = run_controlnet(model, call)
+            down, mid = self.graphs.run(model, call) if self.graphs else run_controlnet(model, call)
         finally:
             self.cache.release(name)
         sync_current_stream(mid)

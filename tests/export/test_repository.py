@@ -285,7 +285,7 @@ def test_cfg_parallel_export_makes_one_denoiser_per_gpu_pair(tiny_model, tmp_pat
 
     repo = tmp_path / "repo"
     assert main(["export", "--model", str(tiny_model), "--out", str(repo), "--device", "cuda",
-                 "--cfg-parallel", "0:1,2:3"]) == 0
+                 "--cfg-parallel", "0:1,2:3", "--adapters", str(tiny_model / "adapters")]) == 0
     parsed = configs(repo)
     assert not {"denoiser_gpu1", "denoiser_gpu3"} & set(parsed)
     for first, second in ((0, 1), (2, 3)):
@@ -296,6 +296,7 @@ def test_cfg_parallel_export_makes_one_denoiser_per_gpu_pair(tiny_model, tmp_pat
         assert denoiser.cfg_parallel_device == f"cuda:{second}"
         assert denoiser.runtime.row_buckets == (1, 2, 4, 8)
     assert params_of(parsed["easel"])["denoisers"] == "denoiser_gpu0,denoiser_gpu2"
+    assert params_of(parsed["controlnet"])["graphs"] == "true"  # ControlNets as CUDA graphs on a fast runtime
     with pytest.raises(SystemExit):  # the pairs name the GPUs
         main(["export", "--model", str(tiny_model), "--out", str(repo), "--device", "cuda", "--gpus", "0",
               "--cfg-parallel", "0:1"])

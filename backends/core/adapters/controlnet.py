@@ -81,10 +81,14 @@ def run_controlnet(model, call: ControlCall) -> Residuals:
 
 
 class LocalControlNets:
-    """Computes residuals in this process, synchronously, from a ControlNetCache."""
+    """Computes residuals in this process, synchronously, from a ControlNetCache; with `graphs`
+    (on a GPU) as CUDA graphs (adapters/controlnet_graphs.py)."""
 
-    def __init__(self, cache: ControlNetCache):
+    def __init__(self, cache: ControlNetCache, graphs: bool = False):
+        from backends.core.adapters.controlnet_graphs import ControlNetGraphs
+
         self.cache = cache
+        self.graphs = ControlNetGraphs() if graphs else None
 
     def check(self, name: str) -> None:
         self.cache.store.controlnet(name)
@@ -94,7 +98,7 @@ class LocalControlNets:
         future: Future[Residuals] = Future()
         model = self.cache.acquire(call.name)
         try:
-            future.set_result(run_controlnet(model, call))
+            future.set_result(self.graphs.run(model, call) if self.graphs else run_controlnet(model, call))
         except Exception as exc:
             future.set_exception(exc)
         finally:

@@ -35,6 +35,7 @@ import torch
 
 from backends.core.runtime.base import EncoderOut, Residuals, RuntimeCaps, StepBatch, check_batch, refit_in_place
 from backends.core.runtime.config import RuntimeConfig
+from backends.core.runtime.cuda_graphs import capture
 from backends.core.runtime.packed_attention import pack_attention
 from backends.core.runtime.torch_eager import EagerUNetRuntime
 
@@ -119,7 +120,7 @@ class FastUNetRuntime:
         for knob in ("cache_size_limit", "recompile_limit"):  # one recompile per latent size at most
             if hasattr(dynamo, knob):
                 setattr(dynamo, knob, 256)
-        # dynamic=None: the row count is marked dynamic at capture (_graphed); latent sizes specialize.
+        # dynamic=None: the row count is marked dynamic at capture (cuda_graphs.capture); latent sizes specialize.
         self.enc_fn = torch.compile(self.eager.encoder)
         self.dec_fn = torch.compile(self.eager.decoder)
         log.info("compiling the UNet halves (inductor cache %s)", os.environ["TORCHINDUCTOR_CACHE_DIR"])
@@ -219,7 +220,7 @@ class FastUNetRuntime:
         bucket = _Bucket(batch, rows, self.config.uses_channels_last, self._text_rows(batch, rows))
         self._load(batch, bucket)
         args = (bucket.sample, bucket.timestep, bucket.text, bucket.pooled, bucket.time_ids)
-        bucket.encoder, bucket.enc_out = _graphed(self.enc_fn, args, self.pool, self.caps.compiled)
+        bucket.encoder, bucket.enc_out = capture(self.enc_fn, args, self.pool, self.caps.compiled, WARMUP_RUNS)
         self.buckets[self._key(batch, rows)] = bucket
         self._captured(start, "encoder", rows)
         return bucket
@@ -245,8 +246,8 @@ class FastUNetRuntime:
         start = time.perf_counter()
         emb, mid, skips = bucket.enc_out
         buffers = ([torch.zeros_like(s) for s in skips], torch.zeros_like(mid)) if with_res else None
-        graph, noise = _graphed(self.dec_fn, (emb, mid, skips, bucket.text, *(buffers or (None, None))), self.pool,
-                                self.caps.compiled)
+        graph, noise = capture(self.dec_fn, (emb, mid, skips, bucket.text, *(buffers or (None, None))), self.pool,
+                               self.caps.compiled, WARMUP_RUNS)
         bucket.decoders[with_res] = (graph, noise, buffers)
         self._captured(start, "decoder (with residuals)" if with_res else "decoder", bucket.rows)
         return True
@@ -256,39 +257,6 @@ class FastUNetRuntime:
         self.stats.captures += 1
         self.stats.capture_s += seconds
         log.info("captured the %s graph for %s rows in %.2f s", what, rows, seconds)
-
-
-def _graphed(fn, args, pool, compiled: bool = False) -> tuple[torch.cuda.CUDAGraph, object]:
-    """Warm `fn` up on a side stream, capture it into a CUDA graph, return it and its static outputs.
-    A compiled `fn` sees the row count as dynamic: one compile serves every row bucket (compiling
-    the SDXL halves took 83 s per shape on the H200), each bucket still gets its own graph."""
-    if compiled:
-        from torch._dynamo import maybe_mark_dynamic
-
-        for t in _tensors(args):
-            maybe_mark_dynamic(t, 0)
-    current = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        for _ in range(WARMUP_RUNS):
-            fn(*args)
-    current.wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    # thread_local: loader and BLS threads may allocate while the loop thread captures.
-    # Captured on the side stream, which is on the current device: torch.cuda.graph's default
-    # capture stream is one for the process, made on whichever device captured first.
-    with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
-        out = fn(*args)
-    return graph, out
-
-
-def _tensors(args):
-    for a in args:
-        if isinstance(a, torch.Tensor):
-            yield a
-        elif isinstance(a, (tuple, list)):
-            yield from _tensors(a)
 
 
 def _resized(template: StepBatch, rows: int, h: int, w: int) -> StepBatch:

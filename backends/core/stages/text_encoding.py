@@ -26,6 +26,7 @@ import torch
 
 from backends.core.adapters.store import AdapterStore
 from backends.core.adapters.lora import TEXT_ENCODERS, LoraSet, LoraWeights, ModelLayers, UnmergedLoras, load_lora
+from backends.core.runtime.cuda_graphs import capture
 from backends.core.runtime.placement import Placement
 from backends.core.request.params import GenerateParams, InvalidInput, LoraParams
 
@@ -113,14 +114,7 @@ class PromptEncoder:
         key = (index, tuple(ids.shape))
         if key not in self._graphs:
             static = ids.clone()
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # kernels pick their algorithms before the capture
-                self._run(index, static)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                outputs = self._run(index, static)
+            graph, outputs = capture(lambda i: self._run(index, i), (static,))
             self._graphs[key] = (graph, static, *outputs)
         graph, static, penultimate, pooled = self._graphs[key]
         static.copy_(ids)

@@ -26,6 +26,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 
+from backends.core.runtime.cuda_graphs import capture
 from backends.core.runtime.placement import Placement
 
 
@@ -125,14 +126,7 @@ class LatentDecoder:
         key = tuple(x.shape)
         if key not in self._graphs:
             static = x.clone().contiguous(memory_format=self.memory_format)
-            side = torch.cuda.Stream()
-            side.wait_stream(torch.cuda.current_stream())
-            with torch.cuda.stream(side):  # cuDNN picks its algorithms before the capture
-                self.vae.decode(static, return_dict=False)
-            torch.cuda.current_stream().wait_stream(side)
-            graph = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(graph):
-                out = self.vae.decode(static, return_dict=False)[0]
+            graph, out = capture(lambda z: self.vae.decode(z, return_dict=False)[0], (static,))
             self._graphs[key] = (graph, static, out)
         graph, static, out = self._graphs[key]
         static.copy_(x)

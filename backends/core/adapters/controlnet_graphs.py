@@ -1,0 +1,61 @@
+"""Resident ControlNets as CUDA graphs: one graph per ControlNet and call shape (latent size, rows).
+
+Eager, a ControlNet call launches its kernels one by one from Python, so on a fast GPU it is bound
+by the host, and it is the half of a step that has to keep up with the UNet's graphed encoder half
+it runs beside. Graphs remove the launches, as they do for the UNet (backends/core/runtime).
+
+Each graph is captured with conditioning scale 1 (x * 1.0 is x, exactly) and the call's own scale
+is applied after the replay: the same product diffusers' ControlNetModel computes, and it also
+copies the residuals out of the graph's static outputs, which the next replay overwrites. A
+ControlNet's graphs are dropped when the cache evicts it (their captured pointers name its
+weights). All graphs share one memory pool: a service instance runs one call at a time.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from backends.core.adapters.controlnet import ControlCall, Residuals, run_controlnet
+from backends.core.runtime.cuda_graphs import capture
+
+
+class ControlNetGraphs:
+    def __init__(self):
+        self._graphs: dict[int, dict[tuple, tuple]] = {}  # id(model) -> call shape -> (graph, inputs, outputs)
+        self._pool = None
+        self.captures = 0
+        self.replays = 0
+
+    @torch.inference_mode()
+    def run(self, model, call: ControlCall) -> Residuals:
+        if not call.sample.is_cuda:
+            return run_controlnet(model, call)
+        inputs = (call.sample, call.timestep, call.embeds, call.image, call.pooled, call.time_ids)
+        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
+        graphs = self._graphs.get(id(model))
+        if graphs is None:
+            graphs = self._graphs[id(model)] = {}
+            weakref.finalize(model, self._graphs.pop, id(model), None)  # evicted: its graphs go too
+        if key not in graphs:
+            if self._pool is None:
+                self._pool = torch.cuda.graph_pool_handle()
+            static = tuple(t.clone() for t in inputs)
+            graphs[key] = (*capture(lambda *args: _forward(model, *args), static, self._pool), static)
+            self.captures += 1
+        graph, (down, mid), static = graphs[key]
+        for buffer, value in zip(static, inputs):
+            buffer.copy_(value)
+        graph.replay()
+        self.replays += 1
+        return [d * call.scale for d in down], mid * call.scale
+
+    def graphs_of(self, model) -> int:
+        return len(self._graphs.get(id(model), ()))
+
+
+def _forward(model, sample, timestep, embeds, image, pooled, time_ids):
+    down, mid = model(sample, timestep, encoder_hidden_states=embeds, controlnet_cond=image, conditioning_scale=1.0,
+                      added_cond_kwargs={"text_embeds": pooled, "time_ids": time_ids}, return_dict=False)
+    return list(down), mid
