@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import nullcontext
 
@@ -24,6 +25,9 @@ from backends.core.request.contract import ModelDecl
 from backends.core.request.params import InvalidInput, UnknownAdapter
 from backends.triton_adapter import ForwardedError
 from backends.core.adapters.controlnet import ControlCall, Residuals
+
+
+MAX_SESSIONS = 4096  # sessions remembered as sent (a request has one per ControlNet)
 
 
 def to_triton(name: str, tensor: torch.Tensor):
@@ -42,7 +46,8 @@ def sync_current_stream(tensor: torch.Tensor) -> None:
 
 
 class BlsControlNets:
-    def __init__(self, model_name: str, decl: ModelDecl, store: AdapterStore, workers: int = 8):
+    def __init__(self, model_name: str, decl: ModelDecl, store: AdapterStore, workers: int = 8, instances: int = 1):
+        """`instances`: the service's instances in all (see _exec)."""
         self.model_name = model_name
         self.outputs = [t.name for t in decl.outputs]
         self.store = store
@@ -50,6 +55,10 @@ class BlsControlNets:
         self._streams = threading.local()  # each worker copies results on a stream of its own
         self.call_s = 0.0  # wall time of the calls, summed (a metric)
         self._lock = threading.Lock()
+        self.instances = instances
+        # session -> calls that carried its constants
+        self._sessions: OrderedDict[str, int] = OrderedDict()
+        self.session_resends = 0  # calls sent again with their constants (an instance lacked them)
 
     def check(self, name: str) -> None:
         self.store.controlnet(name)
@@ -77,13 +86,42 @@ class BlsControlNets:
         return torch.cuda.stream(self._streams.stream)
 
     def _exec(self, call: ControlCall, device: torch.device) -> Residuals:
+        # A session's constants go with its first calls, one per instance of the service (Triton
+        # spreads the calls of one request over them: an instance that never got them would ask
+        # at every call), and again to an instance that asks (backends/core/adapters/control_sessions.py).
+        with self._lock:
+            sent = self._sessions.get(call.session, 0) if call.session is not None else 0
+        constants = call.session is None or sent < self.instances
+        try:
+            response = self._request(call, device, constants)
+        except UnknownAdapter as exc:
+            if constants or exc.field != "session":
+                raise
+            constants = True
+            with self._lock:
+                self.session_resends += 1
+            response = self._request(call, device, constants)
+        if call.session is not None and constants:
+            with self._lock:
+                self._sessions[call.session] = sent + 1
+                self._sessions.move_to_end(call.session)
+                while len(self._sessions) > MAX_SESSIONS:
+                    self._sessions.popitem(last=False)
+        out = {t.name(): to_torch(t).to(device) for t in response.output_tensors()}
+        sync_current_stream(out["mid"])  # the copies are done before the response's buffers go back
+        return [out[n] for n in self.outputs[:-1]], out["mid"]
+
+    def _request(self, call: ControlCall, device: torch.device, constants: bool):
         inputs = [
             pb_utils.Tensor("name", np.array([call.name.encode()], dtype=np.object_)),
             pb_utils.Tensor("scale", np.array([call.scale], dtype=np.float32)),
             to_triton("sample", call.sample), to_triton("timestep", call.timestep.to(torch.float32)),
-            to_triton("prompt_embeds", call.embeds), to_triton("pooled_embeds", call.pooled),
-            to_triton("time_ids", call.time_ids), to_triton("image", call.image),
         ]
+        if call.session is not None:
+            inputs.append(pb_utils.Tensor("session", np.array([call.session.encode()], dtype=np.object_)))
+        if constants:
+            inputs += [to_triton("prompt_embeds", call.embeds), to_triton("pooled_embeds", call.pooled),
+                       to_triton("time_ids", call.time_ids), to_triton("image", call.image)]
         sync_current_stream(call.sample)  # to_triton's contiguous copies
         # Residuals straight into our GPU's memory (Triton's default would follow the producer's).
         where = {"preferred_memory": pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, device.index)} \
@@ -98,9 +136,7 @@ class BlsControlNets:
                 raise RuntimeError(str(error))
             field, _, message = str(error).partition(": ")
             raise kind(field, message)
-        out = {t.name(): to_torch(t).to(device) for t in response.output_tensors()}
-        sync_current_stream(out["mid"])  # the copies are done before the response's buffers go back
-        return [out[n] for n in self.outputs[:-1]], out["mid"]
+        return response
 
     def shutdown(self) -> None:
         self.pool.shutdown(wait=True, cancel_futures=True)

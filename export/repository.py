@@ -223,6 +223,7 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
     # denoisers: the UNet's two halves once, in the first denoiser's folder; the others point there.
     names = options.denoiser_names()
     shared = f"{names[0]}/{VERSION}"
+    service = options.controlnet_instances_group()
     for index, (name, cfg_device) in enumerate(zip(names, options.cfg_parallel_devices)):
         model = _fresh_model_dir(repo, name)
         if index == 0:
@@ -241,6 +242,7 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
             max_queue=options.max_queue, max_batch_rows=options.max_batch_rows, lora_loaders=options.lora_loaders,
             lora_bound_steps=options.lora_bound_steps,
             controlnet_model="controlnet" if options.adapters else None, controlnet_mode=options.controlnet_mode,
+            controlnet_instances=service.count * max(1, len(service.gpus)),
             cfg_parallel_device=cfg_device)
         params = {**engine_params, "denoiser": config.to_json()}
         if options.adapters:

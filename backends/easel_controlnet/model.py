@@ -28,9 +28,16 @@ from backends.bls_controlnets import sync_current_stream, to_triton  # noqa: E40
 from backends.core.adapters.store import AdapterStore  # noqa: E402
 from backends.core.adapters.controlnet import ControlCall, run_controlnet  # noqa: E402
 from backends.core.adapters.controlnet_graphs import ControlNetGraphs  # noqa: E402
+from backends.core.adapters.control_sessions import CONSTANTS, ControlSessions  # noqa: E402
+from backends.core.request.params import InvalidInput, UnknownAdapter  # noqa: E402
 from backends.core.adapters.controlnet_cache import ControlNetCache  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
     Metrics, adapter_store_folder, each_request, parameters, placement, scalar, setup_logging)
+
+
+# Sessions an instance keeps (a request's image, embeddings and time ids: 13 MB at 1024 px in fp16
+# with guidance), least recently used evicted first.
+DEFAULT_SESSION_BYTES = 1 << 30
 
 
 def _tensor(request, name: str, device) -> torch.Tensor:
@@ -53,13 +60,22 @@ class _CacheMetrics:
         "resident_bytes": ("easel_controlnet_resident_bytes", "bytes of resident ControlNets", "gauge"),
         "captures": ("easel_controlnet_graph_captures_total", "CUDA graphs of ControlNets captured", "counter"),
         "replays": ("easel_controlnet_graph_replays_total", "ControlNet calls replayed from CUDA graphs", "counter"),
+        "session_hits": ("easel_controlnet_session_hits_total",
+                         "calls that found their request's image and embeddings kept by the instance", "counter"),
+        "session_misses": ("easel_controlnet_session_misses_total",
+                           "calls sent back for their request's image and embeddings", "counter"),
+        "session_bytes": ("easel_controlnet_session_bytes", "bytes of requests' images and embeddings kept", "gauge"),
     }
 
     def __init__(self, args):
         labels = {"model": args["model_name"], "instance": args["model_instance_name"]}
         self.metrics = Metrics(labels, {**self.CACHE_COUNTERS, **self.OTHERS})
 
-    def update(self, cache: ControlNetCache, compute_seconds: float, graphs: ControlNetGraphs | None) -> None:
+    def update(self, cache: ControlNetCache, compute_seconds: float, graphs: ControlNetGraphs | None,
+               sessions: ControlSessions) -> None:
+        self.metrics.set_total("session_hits", sessions.stats.hits)
+        self.metrics.set_total("session_misses", sessions.stats.misses)
+        self.metrics.set("session_bytes", sessions.nbytes)
         for key in self.CACHE_COUNTERS:
             self.metrics.set_total(key, getattr(cache.stats, key))
         self.metrics.set_total("captures", graphs.captures if graphs else 0)
@@ -68,6 +84,10 @@ class _CacheMetrics:
         resident = cache.resident
         self.metrics.set("resident", len(resident))
         self.metrics.set("resident_bytes", sum(resident.values()))
+
+
+def _optional(request, name: str):
+    return pb_utils.get_input_tensor_by_name(request, name)
 
 
 class TritonPythonModel:
@@ -80,13 +100,14 @@ class TritonPythonModel:
                                      budget_bytes=int(params["cache_bytes"]))
         # On a fast runtime each resident ControlNet runs as CUDA graphs, one per call shape.
         self.graphs = ControlNetGraphs() if params.get("graphs") == "true" and self.device.type == "cuda" else None
+        self.sessions = ControlSessions(int(params.get("session_bytes", DEFAULT_SESSION_BYTES)))
         self.metrics = _CacheMetrics(args)
         self.compute_seconds = 0.0
 
     def execute(self, requests):
         # marked: the denoisers call this model by BLS, which loses the status code (MARKS)
         responses = each_request(requests, self._run, "controlnet", marked=True)
-        self.metrics.update(self.cache, self.compute_seconds, self.graphs)
+        self.metrics.update(self.cache, self.compute_seconds, self.graphs, self.sessions)
         return responses
 
     @torch.inference_mode()
@@ -96,10 +117,9 @@ class TritonPythonModel:
         scale = float(_tensor(request, "scale", "cpu").reshape(-1)[0])  # may arrive on either device
         self.cache.store.controlnet(name)  # a clear error for a name the store does not hold
         dtype = self.placement.torch_dtype
-        t = {n: _tensor(request, n, self.device) for n in
-             ("image", "sample", "timestep", "prompt_embeds", "pooled_embeds", "time_ids")}
-        call = ControlCall(name, scale, t["image"].to(dtype), t["sample"].to(dtype), t["timestep"],
-                           t["prompt_embeds"].to(dtype), t["pooled_embeds"].to(dtype), t["time_ids"].to(dtype))
+        sample, timestep = (_tensor(request, n, self.device) for n in ("sample", "timestep"))
+        image, embeds, pooled, time_ids = self._constants(request)
+        call = ControlCall(name, scale, image, sample.to(dtype), timestep, embeds, pooled, time_ids)
         model = self.cache.acquire(name)
         try:
             down, mid = self.graphs.run(model, call) if self.graphs else run_controlnet(model, call)
@@ -108,3 +128,22 @@ class TritonPythonModel:
         sync_current_stream(mid)
         self.compute_seconds += time.perf_counter() - start
         return [*(to_triton(f"down_{i}", d) for i, d in enumerate(down)), to_triton("mid", mid)]
+
+    def _constants(self, request) -> tuple[torch.Tensor, ...]:
+        """The call's image, embeddings and time ids: given (and kept under its session, if any),
+        or those its session was given earlier."""
+        given = [_optional(request, n) for n in CONSTANTS]
+        session = _optional(request, "session")
+        key = scalar(session.as_numpy()).decode(errors="replace") if session is not None else None
+        if all(t is not None for t in given):
+            dtype = self.placement.torch_dtype
+            tensors = tuple(torch.from_dlpack(t.to_dlpack()).to(self.device, dtype) for t in given)
+            if key is not None:
+                self.sessions.put(key, tensors)
+            return tensors
+        if any(t is not None for t in given) or key is None:
+            raise InvalidInput("image", f"give {', '.join(CONSTANTS)} together, or name a session that was given them")
+        kept = self.sessions.get(key)
+        if kept is None:  # the caller sends them again (backends/bls_controlnets.py)
+            raise UnknownAdapter("session", f"this instance holds no session {key!r}")
+        return kept

@@ -84,7 +84,7 @@ class TritonPythonModel:
 
         def controlnets(engine, store):  # the ControlNet service, by BLS
             decl = controlnet_decl(num_skips(engine.unet), WIRE_DTYPES[where.dtype])
-            return BlsControlNets(config.controlnet_model, decl, store)
+            return BlsControlNets(config.controlnet_model, decl, store, instances=config.controlnet_instances)
 
         self.denoiser = build_denoiser(config, artifact_folder(args), where, self.outbox.put,
                                        store_folder=store_folder, controlnets=controlnets)

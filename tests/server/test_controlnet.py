@@ -81,3 +81,21 @@ def test_bad_controlnet_inputs_fail_alone(http_client, tiny_model, controls, exp
     assert err.value.status == ("404" if "unknown ControlNet" in expected else "400")
     ok = http_client.generate("a red house", seed=1, steps=2, width=64, height=64)
     assert ok.image().size == (64, 64)
+
+
+def test_a_requests_image_and_embeddings_cross_once_per_instance(http_client, server):
+    """Sessions (backends/core/adapters/control_sessions.py): a ControlNet's first calls of a
+    request carry its image and embeddings, one per instance of the service (this export has
+    two); the later ones only the sample and timestep, found by their instance or asked for once."""
+    from tests.server.conftest import metric_values
+
+    def total(name):
+        return sum(metric_values(server, f"easel_controlnet_session_{name}_total").values())
+
+    before = {k: total(k) for k in ("hits", "misses")}
+    steps = 5
+    http_client.generate("a boat", seed=4, steps=steps, width=64, height=64, controlnets=("canny",),
+                         control_images=(png(9),))
+    delta = {k: total(k) - before[k] for k in before}
+    assert delta["hits"] + delta["misses"] == steps - 2 and delta["misses"] <= 1 and delta["hits"] >= 1, delta
+    assert sum(metric_values(server, "easel_controlnet_session_bytes").values()) > 0

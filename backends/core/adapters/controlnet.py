@@ -41,6 +41,7 @@ class PreparedControl:
     scale: float
     guidance_start: float
     guidance_end: float
+    session: str | None = None  # ControlCall.session
 
     def keep(self, step: int, steps: int) -> bool:
         return not (step / steps < self.guidance_start or (step + 1) / steps > self.guidance_end)
@@ -61,6 +62,9 @@ class ControlCall:
     # On GPUs the tensors above are produced asynchronously on the denoiser's stream: a provider
     # that reads them from another thread or process waits on this event first.
     ready: Any = None
+    # Names this ControlNet of this request for the service, which keeps the image, embeddings and
+    # time ids between its steps (adapters/control_sessions.py). None: every call sends them.
+    session: str | None = None
 
 
 Residuals = tuple[list[torch.Tensor], torch.Tensor]

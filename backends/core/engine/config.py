@@ -35,6 +35,9 @@ class DenoiserConfig:
     lora_bound_steps: int = 0  # steps a request may run before its LoRAs must be merged (0: exact)
     controlnet_model: str | None = None  # the ControlNet service's Triton model, called by BLS
     controlnet_mode: str = "sync"  # or "pipelined" (step t uses step t-1's residuals; approximate)
+    # The service's instances in all: a request's ControlNet image and embeddings go with its first
+    # calls until each instance can have seen them (backends/core/adapters/control_sessions.py).
+    controlnet_instances: int = 1
     # Latent parallelism (backends/core/runtime/cfg_parallel.py): the device of the unconditional
     # rows, e.g. "cuda:1"; the denoiser's own runs the rest. "cpu" beside a CPU denoiser runs the
     # same split on a second copy there (tests the wiring; no speed-up). None: one device.
@@ -45,7 +48,7 @@ class DenoiserConfig:
             object.__setattr__(self, "limits", strict_from_dict(Limits, self.limits, "denoiser.limits"))
         if isinstance(self.runtime, dict):
             object.__setattr__(self, "runtime", RuntimeConfig.from_dict(self.runtime))
-        for name in ("max_running", "max_batch_rows", "lora_loaders"):
+        for name in ("max_running", "max_batch_rows", "lora_loaders", "controlnet_instances"):
             if getattr(self, name) < 1:
                 raise ValueError(f"denoiser.{name}: {getattr(self, name)} is not a positive number")
         if self.max_queue < 0:

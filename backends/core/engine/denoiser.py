@@ -198,11 +198,11 @@ class TorchDenoiser:
         if job.controls and self.controlnets is None:
             raise ValueError("controlnets: this denoiser has no adapter store")
         controls = []
-        for c in job.controls:
+        for i, c in enumerate(job.controls):
             self.controlnets.check(c.name)  # unknown names fail here, before any step
             image = prepare_control_image(c.image, p.width, p.height, self.vae_scale_factor)
             controls.append(PreparedControl(c.name, torch.cat([image] * rows).to(self.device, self.dtype),
-                                            c.scale, c.guidance_start, c.guidance_end))
+                                            c.scale, c.guidance_start, c.guidance_end, session=f"{job.request_id}/{i}"))
 
         time_ids = torch.tensor([[p.height, p.width, 0, 0, p.height, p.width]], dtype=self.dtype,
                                 device=self.device).repeat(rows, 1)
@@ -349,7 +349,8 @@ class TorchDenoiser:
             rows = slice(row, row + s.rows)
             row += s.rows
             pending.append([self.controlnets.submit(ControlCall(
-                c.name, c.scale, c.image, sample[rows], timestep[rows], s.embeds, s.pooled, s.time_ids, ready))
+                c.name, c.scale, c.image, sample[rows], timestep[rows], s.embeds, s.pooled, s.time_ids, ready,
+                c.session))
                 for c in s.controls if c.keep(s.index, len(s.timesteps))])
         return pending
 

@@ -115,12 +115,16 @@ def controlnet_decl(num_skips: int, dtype: str = "FP32") -> ModelDecl:
     """The ControlNet service: one ControlNet (by name) on one request's rows at one step.
 
     `dtype` is the engines' (FP16 on GPUs): per step these tensors are large (hundreds of MB in
-    fp32 at 1024 px), so they cross in the engines' precision, on the device where they live."""
-    state = (_t("sample", dtype, -1, -1, -1, -1), _t("timestep", "FP32", -1),
-             _t("prompt_embeds", dtype, -1, -1, -1), _t("pooled_embeds", dtype, -1, -1),
-             _t("time_ids", dtype, -1, -1), _t("image", dtype, -1, 3, -1, -1))
+    fp32 at 1024 px), so they cross in the engines' precision, on the device where they live.
+    `session` names one ControlNet of one request: the constants (image, embeddings, time ids)
+    sent with it are kept by the instance, and a later call of the session may leave them out
+    (backends/core/adapters/control_sessions.py). Without a session every call carries them."""
+    step = (_t("sample", dtype, -1, -1, -1, -1), _t("timestep", "FP32", -1))
+    constants = (_t("prompt_embeds", dtype, -1, -1, -1, optional=True), _t("pooled_embeds", dtype, -1, -1, optional=True),
+                 _t("time_ids", dtype, -1, -1, optional=True), _t("image", dtype, -1, 3, -1, -1, optional=True))
     return ModelDecl(
-        inputs=(_t("name", "BYTES", 1), _t("scale", "FP32", 1), *state),
+        inputs=(_t("name", "BYTES", 1), _t("scale", "FP32", 1), *step, *constants,
+                _t("session", "BYTES", 1, optional=True)),
         outputs=(*(_t(f"down_{i}", dtype, -1, -1, -1, -1) for i in range(num_skips)),
                  _t("mid", dtype, -1, -1, -1, -1)),
     )

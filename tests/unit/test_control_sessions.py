@@ -1,0 +1,29 @@
+"""ControlSessions: a request's ControlNet constants kept between steps, least recently used
+evicted first within the byte budget."""
+
+from __future__ import annotations
+
+import torch
+
+from backends.core.adapters.control_sessions import ControlSessions
+
+
+def tensors(n_bytes_each: int, fill: float):
+    return (torch.full((n_bytes_each // 4,), fill),)
+
+
+def test_sessions_are_kept_as_copies_and_evicted_least_recent_first():
+    sessions = ControlSessions(budget_bytes=3000)
+    given = tensors(1000, 1.0)
+    sessions.put("a", given)
+    given[0].fill_(9.0)  # the caller's buffer is reused: the kept copy does not change
+    assert float(sessions.get("a")[0][0]) == 1.0
+    sessions.put("b", tensors(1000, 2.0))
+    sessions.put("c", tensors(1000, 3.0))
+    assert sessions.get("a") is not None  # a is now the most recent
+    sessions.put("d", tensors(1000, 4.0))  # over budget: b, the least recent, goes
+    assert sessions.get("b") is None and sessions.get("c") is not None and sessions.get("d") is not None
+    assert sessions.nbytes == 3000
+    assert (sessions.stats.hits, sessions.stats.misses, sessions.stats.evictions) == (4, 1, 1)
+    sessions.put("d", tensors(2000, 5.0))  # replacing an entry counts its new size once
+    assert sessions.nbytes <= 3000 and float(sessions.get("d")[0][0]) == 5.0
