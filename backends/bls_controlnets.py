@@ -52,7 +52,7 @@ class BlsControlNets:
         self.outputs = [t.name for t in decl.outputs]
         self.store = store
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="easel-controlnet-bls")
-        self._streams = threading.local()  # each worker copies results on a stream of its own
+        self._streams = threading.local()  # each worker copies results on streams of its own, one per device
         self.call_s = 0.0  # wall time of the calls, summed (a metric)
         self._lock = threading.Lock()
         self.instances = instances
@@ -68,7 +68,7 @@ class BlsControlNets:
 
     def _call(self, call: ControlCall) -> Residuals:
         start = time.perf_counter()
-        device = call.sample.device
+        device = torch.device(call.device) if call.device is not None else call.sample.device
         if call.ready is not None:
             call.ready.synchronize()
         with self._stream(device):
@@ -81,9 +81,12 @@ class BlsControlNets:
     def _stream(self, device: torch.device):
         if device.type != "cuda":
             return nullcontext()
-        if getattr(self._streams, "stream", None) is None:
-            self._streams.stream = torch.cuda.Stream(device)
-        return torch.cuda.stream(self._streams.stream)
+        streams = getattr(self._streams, "by_device", None)
+        if streams is None:
+            streams = self._streams.by_device = {}
+        if device not in streams:
+            streams[device] = torch.cuda.Stream(device)
+        return torch.cuda.stream(streams[device])
 
     def _exec(self, call: ControlCall, device: torch.device) -> Residuals:
         # A session's constants go with its first calls, one per instance of the service (Triton

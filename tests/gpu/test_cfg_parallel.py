@@ -129,3 +129,29 @@ def test_builder_warms_both_gpus_and_serves_compiled(repo, folder):
     (result,) = done
     assert result.error is None and result.latents.shape == (1, 4, 8, 8)
     assert runtime.secondary.stats.graph_steps == 3 and runtime.secondary.stats.eager_steps == 0
+
+
+def test_controlnets_split_over_two_gpus(repo, folder, tiny_model):
+    """ControlNets called once per row, each row's residuals made for its GPU, the ControlNets as
+    CUDA graphs: fp32 latents against the one-GPU denoiser calling them eagerly on both rows."""
+    import numpy as np
+    from PIL import Image
+
+    from backends.core.adapters.controlnet import ControlInput, LocalControlNets
+    from backends.core.adapters.controlnet_cache import ControlNetCache
+
+    where = Placement("cuda:0", "fp32")
+    encoder = PromptEncoder(repo / "text_encoder" / "1", where)
+    hint = Image.fromarray(np.random.default_rng(1).integers(0, 256, (48, 80, 3), dtype=np.uint8))
+    jobs = []
+    for i, guidance in enumerate((5.0, 1.0)):
+        params = validate({"prompt": f"a house {i}", "steps": 4, "width": 64, "height": 64, "seed": i,
+                           "guidance_scale": guidance}, Limits())
+        jobs.append(DenoiseJob(f"r{i}", params, *encoder.encode(params), controls=[ControlInput("canny", hint, 0.8)]))
+    cache = ControlNetCache(AdapterStore(tiny_model / "adapters"), where, budget_bytes=2**30)
+    one = TorchDenoiser(folder, where, LocalControlNets(cache))
+    provider = LocalControlNets(cache, graphs=True)
+    two = TorchDenoiser(folder, where, provider, runtime=pair(folder, "fp32"))
+    for g, w in zip(run_requests(two, jobs), run_requests(one, jobs)):
+        assert rel_err(g, w) <= 1e-4
+    assert provider.graphs.captures == 1 and provider.graphs.replays == 12  # 4 steps x 3 rows, one shape

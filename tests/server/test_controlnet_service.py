@@ -38,13 +38,15 @@ def test_two_denoisers_share_one_controlnet_service(shared, server):
     assert {r.info["denoiser"] for r in results} == {"denoiser_cpu0", "denoiser_cpu1"}
     for r in results:
         assert int(abs(pixels(r).astype(int) - expected.astype(int)).max()) <= 1
-    # 3 steps x one ControlNet call per request, at most one miss per instance.
+    # 3 steps x one ControlNet call per row (this server's denoisers split guidance over two sides,
+    # and the ControlNets with it: test_cfg_parallel.py), at most one miss per instance.
+    calls = 3 * 2 * len(results)
     delta = {k: metric(shared, name) - before[k] for k, name in counters.items()}
-    assert delta["hits"] + delta["misses"] == 3 * len(results) and delta["misses"] <= 2
+    assert delta["hits"] + delta["misses"] == calls and delta["misses"] <= 2
     assert metric(shared, "easel_controlnet_resident") >= 1
     # Where the time went: the denoisers count the same calls, whose BLS wall time covers the
     # service's own time; the decoder half waited some of it.
-    assert delta["calls"] == 3 * len(results)
+    assert delta["calls"] == calls
     call_s, compute_s = (metric(shared, f"easel_controlnet_{k}_seconds_total") for k in ("call", "compute"))
     assert call_s >= compute_s > 0
     assert 0 < metric(shared, "easel_controlnet_wait_seconds_total") <= call_s
@@ -73,5 +75,6 @@ def test_controlnets_of_one_request_spread_over_service_instances(shared):
                    control_images=(png(1), png(2)))
     after = {k: per_instance(shared, f"easel_controlnet_cache_{k}_total") for k in ("hits", "misses")}
     calls = {i: sum(after[k].get(i, 0) - before[k].get(i, 0) for k in after) for i in after["hits"]}
-    # Both ControlNets of each step are submitted at once; the two instances take them together.
-    assert sum(calls.values()) == 6 and len([i for i, n in calls.items() if n > 0]) == 2, calls
+    # Both ControlNets of each step, on each of the request's two rows (split with guidance), are
+    # submitted at once; the two instances take them together.
+    assert sum(calls.values()) == 3 * 2 * 2 and len([i for i, n in calls.items() if n > 0]) == 2, calls

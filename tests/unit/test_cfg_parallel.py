@@ -12,6 +12,8 @@ from __future__ import annotations
 import pytest
 import torch
 
+from backends.core.adapters.controlnet import ControlInput, LocalControlNets
+from backends.core.adapters.controlnet_cache import ControlNetCache
 from backends.core.adapters.lora import load_lora
 from backends.core.adapters.store import AdapterStore
 from backends.core.engine.builder import build_runtime, template_batch
@@ -146,3 +148,44 @@ def test_cfg_parallel_device_is_checked(folder):
         DenoiserConfig(cfg_parallel_device="gpu1")
     with pytest.raises(ValueError, match="both halves run on GPUs, or both on the CPU"):
         build_runtime(folder, Placement(), RuntimeConfig(), cfg_parallel_device="cuda:1")
+
+
+class CountingControlNets(LocalControlNets):
+    """LocalControlNets that records each call's rows and where its residuals are to go."""
+
+    def __init__(self, cache):
+        super().__init__(cache)
+        self.calls = []
+
+    def submit(self, call):
+        self.calls.append((call.sample.shape[0], call.device, call.session))
+        return super().submit(call)
+
+
+@pytest.mark.parametrize("mode", ["sync", "pipelined"])
+def test_controlnets_split_with_the_rows(repo, folder, store, mode):
+    """A guided request's ControlNets are called once per row, each side's residuals made for its
+    rows; an unguided request's once. Latents equal the one-device denoiser's (which calls them
+    on both rows at once) within tolerance, windows and two ControlNets included."""
+    import numpy as np
+    from PIL import Image
+
+    def hint(seed):
+        return Image.fromarray(np.random.default_rng(seed).integers(0, 256, (48, 80, 3), dtype=np.uint8))
+
+    encoder = PromptEncoder(repo / "text_encoder" / "1", Placement())
+    jobs = []
+    for i, guidance in enumerate((5.0, 1.0)):
+        params = validate({"prompt": f"a house {i}", "steps": 4, "width": 64, "height": 64, "seed": i,
+                           "guidance_scale": guidance}, Limits())
+        controls = [ControlInput("canny", hint(1), 0.8), ControlInput("depth", hint(2), 0.6, 0.25, 1.0)]
+        jobs.append(DenoiseJob(f"r{i}", params, *encoder.encode(params), controls=controls))
+    cache = ControlNetCache(store, Placement(), budget_bytes=2**30)
+    one = TorchDenoiser(folder, Placement(), LocalControlNets(cache), controlnet_mode=mode)
+    provider = CountingControlNets(cache)
+    two = TorchDenoiser(folder, Placement(), provider, controlnet_mode=mode, runtime=parallel(folder))
+    for g, w in zip(run_requests(two, jobs), run_requests(one, jobs)):
+        assert rel_err(g, w) <= 1e-4
+    assert {rows for rows, _, _ in provider.calls} == {1}  # every call on one row
+    # The guided request: its two rows' calls are separate sessions; the unguided one has one row.
+    assert {session for *_, session in provider.calls} == {"r0/0/0", "r0/0/1", "r0/1/0", "r0/1/1", "r1/0", "r1/1"}

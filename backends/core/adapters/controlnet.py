@@ -65,6 +65,7 @@ class ControlCall:
     # Names this ControlNet of this request for the service, which keeps the image, embeddings and
     # time ids between its steps (adapters/control_sessions.py). None: every call sends them.
     session: str | None = None
+    device: Any = None  # where its residuals go; None: the sample's device
 
 
 Residuals = tuple[list[torch.Tensor], torch.Tensor]

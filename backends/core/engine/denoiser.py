@@ -26,11 +26,11 @@ from backends.core.engine.config import CONTROLNET_MODES
 from backends.core.runtime.artifacts import load_unet_halves
 from backends.core.runtime.base import LoraSegment, StepBatch, UNetRuntime
 from backends.core.runtime.torch_eager import EagerUNetRuntime
-from backends.core.adapters.controlnet import (ControlCall, ControlInput, PreparedControl, ResidualProvider, prepare_control_image,
-                         sum_residuals)
+from backends.core.adapters.controlnet import ControlInput, PreparedControl, ResidualProvider, prepare_control_image
 from backends.core.adapters.lora import LoraMerger, LoraSet, lora_key
 from backends.core.request.params import GenerateParams, InvalidInput
 from backends.core.runtime.placement import Placement
+from backends.core.engine.controls import collect_controls, submit_controls
 from backends.core.engine.diffusers_schedulers import make_scheduler
 from backends.core.engine.samplers import SamplerPlan, model_timesteps, scale_model_input, vectorizable
 from backends.core.engine.samplers import step as sampler_step
@@ -137,6 +137,8 @@ class TorchDenoiser:
         # the ControlNets with the encoder half they are meant to run beside).
         self.stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self.runtime = runtime if runtime is not None else EagerUNetRuntime(*load_unet_halves(folder, placement))
+        # The loop's stream on each device it computes on (the runtime's own on other devices).
+        self.streams = {s.device: s for s in (*self.runtime.streams, self.stream) if s is not None}
         self.unet = self.runtime.weights_module  # its config; LoRA merges write into its weights in place
         self.base_scheduler = _load_scheduler(folder / "scheduler")
         self.vae_scale_factor = json.loads((folder / VAE_SCALE_FACTOR_FILE).read_text())["vae_scale_factor"]
@@ -219,20 +221,24 @@ class TorchDenoiser:
         vectorized = all(s.plan is not None for s in states)
         sample, timestep = self._model_input(states) if vectorized else self._model_input_per_request(states)
         embeds = torch.cat([s.embeds for s in states])
-        pending = self._submit_controls(states, sample, timestep)  # run beside the encoder half
+        rows_per_request = tuple(s.rows for s in states)
+        sides = self.runtime.row_sides(rows_per_request) if any(s.controls for s in states) else None
+        pending = self._submit_controls(states, sample, timestep, sides)  # run beside the encoder half
         if self.controlnet_mode == "pipelined":
             pending = self._pipeline(states, pending)
         lora_segments = self._loras(states)  # (merges first: the text key names the merged set)
         batch = StepBatch(sample, timestep, embeds, torch.cat([s.pooled for s in states]),
                           torch.cat([s.time_ids for s in states]), lora_segments=lora_segments,
-                          text_key=(self.merged, tuple(s.serial for s in states)),
-                          rows_per_request=tuple(s.rows for s in states))
+                          text_key=(self.merged, tuple(s.serial for s in states)), rows_per_request=rows_per_request)
         clock = self.clock
         clock.mark(ENCODER)
         enc = self.runtime.encode(batch)
         clock.mark(ENCODED)
         failed: dict[str, str] = {}
-        residuals = self._collect_controls(states, pending, failed)
+        collected = collect_controls(states, pending, sides, self.runtime.side_devices, self._adopt, failed)
+        self.control_wait_s += collected.wait_s
+        self.control_calls += collected.calls
+        residuals = collected.residuals
         clock.mark(DECODER)
         noise = self.runtime.decode(batch, enc, residuals)
         clock.mark(DECODED)
@@ -315,7 +321,9 @@ class TorchDenoiser:
             if tensor.is_cuda:
                 blocks.setdefault(tensor.untyped_storage().data_ptr(), tensor)
         for tensor in blocks.values():
-            tensor.record_stream(self.stream)
+            stream = self.streams.get(tensor.device)
+            if stream is not None:  # (a device we never read it on needs no record)
+                tensor.record_stream(stream)
 
     def _loras(self, states) -> tuple[LoraSegment, ...]:
         """Merge the batch's LoRA set when all its requests share one (restoring the base weights
@@ -338,21 +346,12 @@ class TorchDenoiser:
             row += s.rows
         return tuple(segments)
 
-    def _submit_controls(self, states, sample, timestep):
-        """Every ControlNet call of this step whose guidance window is open, per request, in order."""
-        pending, row = [], 0
+    def _submit_controls(self, states, sample, timestep, sides):
         ready = None
         if self.stream is not None and any(s.controls for s in states):
             ready = torch.cuda.Event()
             ready.record(self.stream)
-        for s in states:
-            rows = slice(row, row + s.rows)
-            row += s.rows
-            pending.append([self.controlnets.submit(ControlCall(
-                c.name, c.scale, c.image, sample[rows], timestep[rows], s.embeds, s.pooled, s.time_ids, ready,
-                c.session))
-                for c in s.controls if c.keep(s.index, len(s.timesteps))])
-        return pending
+        return submit_controls(self.controlnets, states, sample, timestep, sides, self.runtime.side_devices, ready)
 
     @staticmethod
     def _pipeline(states, pending):
@@ -362,36 +361,6 @@ class TorchDenoiser:
             used.append(fresh if s.stale_controls is None else s.stale_controls)
             s.stale_controls = fresh
         return used
-
-    def _collect_controls(self, states, pending, failed):
-        """Residuals for the whole batch: each request's summed ControlNets on its rows, zeros
-        elsewhere; None when no request has any."""
-        if not any(pending):
-            return None
-        summed = []
-        start = time.perf_counter()
-        for s, futures in zip(states, pending):
-            try:
-                results = [f.result() for f in futures]
-                self._adopt(t for down, m in results for t in (*down, m))  # made on a BLS thread's stream
-                summed.append(sum_residuals(results))
-            except Exception as exc:  # this request's ControlNet failed: it alone leaves
-                # (a client's mistake or an adapter not found stays that, for its status code)
-                failed[s.job.request_id] = exc if isinstance(exc, InvalidInput) else f"controlnet: {exc}"
-                summed.append(None)
-        self.control_wait_s += time.perf_counter() - start
-        self.control_calls += sum(len(f) for f in pending)
-        shapes = next((r for r in summed if r is not None), None)
-        if shapes is None:
-            return None
-        downs, mids = [], []
-        for s, r in zip(states, summed):
-            if r is None:
-                r = [d.new_zeros((s.rows, *d.shape[1:])) for d in shapes[0]], shapes[1].new_zeros(
-                    (s.rows, *shapes[1].shape[1:]))
-            downs.append(r[0])
-            mids.append(r[1])
-        return [torch.cat(parts) for parts in zip(*downs)], torch.cat(mids)
 
     def snapshot(self, state: RequestState) -> LatentSnapshot:
         """The request's latents now, for a preview (on the loop thread: queues a copy, no sync)."""

@@ -116,6 +116,9 @@ class EncoderOut:
 
 
 Residuals = tuple[list["torch.Tensor"], "torch.Tensor"]  # ControlNets' summed (down, mid) residuals
+# The residuals of a batch whose rows a runtime spreads over its sides (row_sides): per side,
+# those of the rows that run there, in batch order, already on its device.
+PlacedResiduals = dict[int, Residuals]
 
 
 class UNetRuntime(Protocol):
@@ -130,10 +133,17 @@ class UNetRuntime(Protocol):
     # Streams on other devices that the runtime computes on: the thread that drives it keeps them
     # current there, so that what it launches on those devices (a merge) is ordered with the runtime.
     streams: tuple[torch.cuda.Stream, ...]
+    # The device of each part of the runtime that runs rows of a step (one, unless it spreads them).
+    side_devices: tuple[torch.device, ...]
 
     def encode(self, batch: StepBatch) -> EncoderOut: ...
 
-    def decode(self, batch: StepBatch, enc: EncoderOut, residuals: Residuals | None) -> torch.Tensor: ...
+    def decode(self, batch: StepBatch, enc: EncoderOut, residuals: Residuals | PlacedResiduals | None
+               ) -> torch.Tensor: ...
+
+    def row_sides(self, rows_per_request: tuple[int, ...]) -> tuple[int, ...] | None:
+        """Which side (an index into side_devices) runs each row of a batch of such requests; None:
+        the runtime runs every row in one place (then decode takes Residuals, else PlacedResiduals)."""
 
     def refit(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Overwrite the named weights in place; graphs and engines stay valid."""

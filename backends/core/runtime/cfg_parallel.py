@@ -28,7 +28,8 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from backends.core.runtime.base import EncoderOut, LoraSegment, Residuals, RuntimeCaps, StepBatch, UNetRuntime, check_batch
+from backends.core.runtime.base import (EncoderOut, LoraSegment, PlacedResiduals, Residuals, RuntimeCaps, StepBatch,
+                                        UNetRuntime, check_batch)
 
 MAX_SPLITS = 256  # row splits kept with their index tensors
 
@@ -67,6 +68,7 @@ class CfgParallelRuntime:
         self.stats = primary.stats
         self.weights_module = primary.weights_module
         self.weight_copies = (*primary.weight_copies, *secondary.weight_copies)
+        self.side_devices = (self.device, self.other)
         # The secondary computes on a stream of its own device; the loop thread makes it current
         # there (TorchDenoiser.on_stream), so that LoRA merges into its weights are ordered with it.
         self.stream = torch.cuda.Stream(self.other) if self.other.type == "cuda" else None
@@ -98,13 +100,17 @@ class CfgParallelRuntime:
         return EncoderOut(enc_a.emb, enc_a.mid, enc_a.skips, meta={"parallel": (split, batch_a, enc_a, batch_b, enc_b)})
 
     @torch.inference_mode()
-    def decode(self, batch: StepBatch, enc: EncoderOut, residuals: Residuals | None) -> torch.Tensor:
+    def decode(self, batch: StepBatch, enc: EncoderOut, residuals: Residuals | PlacedResiduals | None
+               ) -> torch.Tensor:
         if "parallel" not in enc.meta:
             return self.primary.decode(batch, enc, residuals)
         (rows, ia, ib), batch_a, enc_a, batch_b, enc_b = enc.meta["parallel"]
-        res_a = _rows_of(residuals, ia, self.device)
-        with self._on_secondary():  # (before the primary's decoder, as in encode)
-            res_b = _rows_of(residuals, ib, self.other)
+        if isinstance(residuals, dict):  # each side's rows, already on its device (row_sides)
+            res_a, res_b = residuals[0], residuals[1]
+        else:
+            res_a = _rows_of(residuals, ia, self.device)
+            with self._on_secondary():  # (before the primary's decoder, as in encode)
+                res_b = _rows_of(residuals, ib, self.other)
         noise_a = self.primary.decode(batch_a, enc_a, res_a)
         with self._on_secondary():
             noise_b = self.secondary.decode(batch_b, enc_b, res_b).to(self.device, non_blocking=True)
@@ -112,6 +118,15 @@ class CfgParallelRuntime:
         noise.index_copy_(0, ia, noise_a)
         noise.index_copy_(0, ib, noise_b)
         return noise
+
+    def row_sides(self, rows_per_request: tuple[int, ...]) -> tuple[int, ...] | None:
+        rows = split_rows(rows_per_request)
+        if not rows.secondary:
+            return None
+        sides = [0] * sum(rows_per_request)
+        for r in rows.secondary:
+            sides[r] = 1
+        return tuple(sides)
 
     def refit(self, weights: Mapping[str, torch.Tensor]) -> None:
         self.primary.refit(weights)

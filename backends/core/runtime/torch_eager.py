@@ -24,6 +24,7 @@ class EagerUNetRuntime:
         self.weights_module = unet
         self.weight_copies = (unet,)
         self.streams = ()
+        self.side_devices = (next(unet.parameters()).device,)
         self.encoder = encoder
         self.decoder = decoder
         self.layers = ModelLayers(unet)
@@ -42,6 +43,9 @@ class EagerUNetRuntime:
         down, mid = residuals if residuals is not None else (None, None)
         with self._loras(batch):
             return self.decoder(enc.emb, enc.mid, enc.skips, batch.text, down, mid)
+
+    def row_sides(self, rows_per_request) -> None:
+        return None  # one place
 
     def refit(self, weights: Mapping[str, torch.Tensor]) -> None:
         refit_in_place(self.weights_module, weights)

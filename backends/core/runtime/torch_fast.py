@@ -82,6 +82,7 @@ class FastUNetRuntime:
         self.weights_module = eager.weights_module
         self.weight_copies = eager.weight_copies
         self.streams = ()
+        self.side_devices = eager.side_devices
         self.caps = RuntimeCaps(name=config.kind, graphs=True, compiled=config.kind == "compiled")
         self.stats = eager.stats  # one account: the eager runtime counts the steps it runs for us
         self.pool = torch.cuda.graph_pool_handle()
@@ -155,6 +156,9 @@ class FastUNetRuntime:
             buffers[1][:n].copy_(mid, non_blocking=True)
         graph.replay()
         return noise[:n].clone()  # the buffer is overwritten by the next replay
+
+    def row_sides(self, rows_per_request) -> None:
+        return None  # one place
 
     def refit(self, weights: Mapping[str, torch.Tensor]) -> None:
         refit_in_place(self.weights_module, weights)

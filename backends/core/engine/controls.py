@@ -1,0 +1,109 @@
+"""A step's ControlNet calls: submitted before the encoder half (so that they run beside it) and
+collected into residuals before the decoder half.
+
+A request's ControlNets are called on its rows together, or, where the runtime spreads the
+request's rows over its sides (latent parallelism: the unconditional row on the second GPU), once
+per row, each call's residuals delivered to its row's device: the ControlNets split the same way
+as the UNet, each call does half the work, and no residual crosses between the GPUs afterwards.
+"""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from backends.core.adapters.controlnet import ControlCall, ResidualProvider, sum_residuals
+from backends.core.request.params import InvalidInput
+from backends.core.runtime.base import PlacedResiduals, Residuals
+
+
+@dataclass
+class ControlPart:
+    """The calls of one request's ControlNets on some of its rows."""
+
+    offset: int  # the request's first row they cover
+    rows: int
+    futures: list[Future]
+
+
+def submit_controls(provider: ResidualProvider, states, sample: torch.Tensor, timestep: torch.Tensor,
+                    sides: tuple[int, ...] | None, side_devices: tuple, ready) -> list[list[ControlPart]]:
+    """Every ControlNet call of this step whose guidance window is open, per request in order.
+    `sides`: the runtime's side of each batch row (UNetRuntime.row_sides), or None for one place."""
+    pending, row = [], 0
+    for s in states:
+        active = [c for c in s.controls if c.keep(s.index, len(s.timesteps))]
+        mine = sides[row:row + s.rows] if sides is not None else None
+        split = mine is not None and len(set(mine)) > 1
+        parts = []
+        for offset, n in ([(k, 1) for k in range(s.rows)] if split else [(0, s.rows)]) if active else ():
+            rows, local = slice(row + offset, row + offset + n), slice(offset, offset + n)
+            parts.append(ControlPart(offset, n, [provider.submit(ControlCall(
+                c.name, c.scale, c.image[local], sample[rows], timestep[rows], s.embeds[local], s.pooled[local],
+                s.time_ids[local], ready, session=f"{c.session}/{offset}" if split and c.session else c.session,
+                device=side_devices[mine[offset]] if mine is not None else None)) for c in active]))
+        pending.append(parts)
+        row += s.rows
+    return pending
+
+
+@dataclass
+class Collected:
+    residuals: Residuals | PlacedResiduals | None
+    wait_s: float
+    calls: int
+
+
+def collect_controls(states, pending: list[list[ControlPart]], sides: tuple[int, ...] | None, side_devices: tuple,
+                     adopt, failed: dict) -> Collected:
+    """Each request's summed ControlNets on its rows, zeros on rows without any: for the whole
+    batch (one place), or per side over the rows that run there, on its device (`sides`). None
+    when no request has any. A request whose ControlNet failed goes into `failed` and leaves."""
+    calls = sum(len(p.futures) for parts in pending for p in parts)
+    if not calls:
+        return Collected(None, 0.0, 0)
+    start = time.perf_counter()
+    summed: list[list[tuple[ControlPart, Residuals]] | None] = []
+    for s, parts in zip(states, pending):
+        got = []
+        try:
+            for part in parts:
+                results = [f.result() for f in part.futures]
+                adopt(t for down, m in results for t in (*down, m))  # made on a BLS thread's stream
+                got.append((part, sum_residuals(results)))
+        except Exception as exc:  # this request's ControlNet failed: it alone leaves
+            # (a client's mistake or an adapter not found stays that, for its status code)
+            failed[s.job.request_id] = exc if isinstance(exc, InvalidInput) else f"controlnet: {exc}"
+            got = None
+        summed.append(got)
+    wait_s = time.perf_counter() - start
+    shapes = next((r for got in summed if got for _, r in got), None)
+    if shapes is None:
+        return Collected(None, wait_s, calls)
+    per_side: dict = {}  # side -> ([rows of each down residual], [rows of mid]), in batch order
+    row = 0
+    for s, got in zip(states, summed):
+        for k in range(s.rows):
+            side = sides[row + k] if sides is not None else 0
+            down, mid = _row(got, k, shapes, side_devices[side])
+            acc = per_side.setdefault(side, ([[] for _ in down], []))
+            for rows, d in zip(acc[0], down):
+                rows.append(d)
+            acc[1].append(mid)
+        row += s.rows
+    placed = {side: ([torch.cat(d) for d in down], torch.cat(mid)) for side, (down, mid) in per_side.items()}
+    return Collected(placed[0] if sides is None else placed, wait_s, calls)
+
+
+def _row(got, k: int, shapes: Residuals, device) -> Residuals:
+    """Row k of a request's residuals on `device` (a pipelined call may have been made for another
+    side), or zeros where it has none."""
+    for part, (down, mid) in got or ():
+        if part.offset <= k < part.offset + part.rows:
+            i = slice(k - part.offset, k - part.offset + 1)
+            return [d[i].to(device) for d in down], mid[i].to(device)
+    return ([d.new_zeros((1, *d.shape[1:]), device=device) for d in shapes[0]],
+            shapes[1].new_zeros((1, *shapes[1].shape[1:]), device=device))
