@@ -38,8 +38,9 @@ def submit_controls(provider: ResidualProvider, states, sample: torch.Tensor, ti
         active = [c for c in s.controls if c.keep(s.index, len(s.timesteps))]
         mine = sides[row:row + s.rows] if sides is not None else None
         split = mine is not None and len(set(mine)) > 1
+        spans = ([(k, 1) for k in range(s.rows)] if split else [(0, s.rows)]) if active else []
         parts = []
-        for offset, n in ([(k, 1) for k in range(s.rows)] if split else [(0, s.rows)]) if active else ():
+        for offset, n in spans:
             rows, local = slice(row + offset, row + offset + n), slice(offset, offset + n)
             parts.append(ControlPart(offset, n, [provider.submit(ControlCall(
                 c.name, c.scale, c.image[local], sample[rows], timestep[rows], s.embeds[local], s.pooled[local],

@@ -11,8 +11,9 @@ without waiting, and they overlap.
 What crosses between the GPUs each step: the secondary's rows of the sample going over and its
 noise prediction coming back ([rows, 4, h, w] each way, 128 KiB a row at 1024 px; the sampler
 runs on the primary only). The text, pooled embeddings and time ids go over only when the batch's
-`text_key` changes. ControlNet residuals computed on the primary's side for the secondary's rows
-go over too. Copies between two GPUs are peer to peer (NVLink where there is one), never through
+`text_key` changes. ControlNet residuals come per side, made on the device of their rows
+(`row_sides`, engine/controls.py); residuals given for the whole batch have the secondary's rows
+copied over. Copies between two GPUs are peer to peer (NVLink where there is one), never through
 host memory, and PyTorch orders them on both devices' current streams.
 
 LoRA merges write into both copies of the weights (`weight_copies`); the secondary's work runs on
@@ -120,11 +121,11 @@ class CfgParallelRuntime:
         return noise
 
     def row_sides(self, rows_per_request: tuple[int, ...]) -> tuple[int, ...] | None:
-        rows = split_rows(rows_per_request)
-        if not rows.secondary:
+        split = self._split_of(rows_per_request)
+        if split is None:
             return None
         sides = [0] * sum(rows_per_request)
-        for r in rows.secondary:
+        for r in split[0].secondary:
             sides[r] = 1
         return tuple(sides)
 
@@ -154,7 +155,9 @@ class CfgParallelRuntime:
         if sum(batch.rows_per_request) != batch.rows:
             raise ValueError(f"rows_per_request: {batch.rows_per_request} does not add up to the batch's "
                              f"{batch.rows} rows")
-        key = batch.rows_per_request
+        return self._split_of(batch.rows_per_request)
+
+    def _split_of(self, key: tuple[int, ...]):
         if key not in self._splits:
             if len(self._splits) >= MAX_SPLITS:  # batch compositions come and go
                 self._splits.clear()
