@@ -154,6 +154,13 @@ class ExportOptions:
             return Instances("KIND_CPU", count)
         return Instances("KIND_GPU", count, (self.gpus[0] if gpu is None else gpu,))
 
+    def stage_instances(self) -> Instances:
+        """The text encoder's and the VAE's: one on each denoiser's GPU, so that replicas scale
+        (a single instance on the first GPU would serve every replica and slow that one's steps)."""
+        if self.device == "cpu":
+            return Instances("KIND_CPU", 1)
+        return Instances("KIND_GPU", 1, self.gpus)
+
 
 def _flag(value: bool) -> str:
     return "true" if value else "false"
@@ -205,7 +212,7 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
     # On a fast runtime each encoder runs as a CUDA graph (requests with text-encoder LoRAs eagerly).
     text_params = {**engine_params, **checks, "graphs": _flag(options.resolved_runtime != "eager")}
     (model / "config.pbtxt").write_text(python_model(
-        "text_encoder", "easel_text_encoder", contract.TEXT_ENCODER, options.instances(),
+        "text_encoder", "easel_text_encoder", contract.TEXT_ENCODER, options.stage_instances(),
         {**text_params, "adapters": store} if store else text_params))
 
     if store:  # the ControlNet service, placed on its own GPUs (or the denoisers')
@@ -255,7 +262,7 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
     model = _fresh_model_dir(repo, "vae_decoder")
     pipe.vae.save_pretrained(model / VERSION / "vae", safe_serialization=True)
     (model / "config.pbtxt").write_text(python_model(
-        "vae_decoder", "easel_vae_decoder", contract.VAE_DECODER, options.instances(),
+        "vae_decoder", "easel_vae_decoder", contract.VAE_DECODER, options.stage_instances(),
         # On a fast runtime the VAE runs as a CUDA graph with plugins' GroupNorm+SiLU, whatever the
         # UNet's flags: on an H200 that took SDXL's fp32 decode at 1024 px from 116 to 68 ms, pixels
         # within 1 of eager's (bench/vae_micro.py); channels_last made it slower (164 ms). Its

@@ -270,7 +270,8 @@ def test_cuda_export_writes_one_denoiser_per_gpu(cuda_repo):
     for name in ("text_encoder", "vae_decoder"):
         (group,) = parsed[name].instance_group
         assert model_config_pb2.ModelInstanceGroup.Kind.Name(group.kind) == "KIND_GPU"
-        assert list(group.gpus) == [0] and params_of(parsed[name])["dtype"] == "fp16"
+        # one instance on each denoiser's GPU, so that replicas scale
+        assert group.count == 1 and list(group.gpus) == [0, 1] and params_of(parsed[name])["dtype"] == "fp16"
         assert params_of(parsed[name])["graphs"] == "true"  # the fast runtime's CUDA graphs there too
     assert params_of(parsed["vae_decoder"])["attention_dtype"] == "bf16"  # approximate: the fast default
     for file in (ENCODER_FILE, DECODER_FILE):
