@@ -168,6 +168,16 @@ def markdown(results: dict) -> str:
         for e in configs:
             stages = e.get("easel_stages_median_s") or {}
             lines.append(f"| {e['name']} | " + " | ".join(secs(stages.get(k), 4) for k in stage_names) + " |")
+    breakdowns = [(e["name"], (e.get("easel") or {}).get("controlnet_per_call")) for e in configs]
+    if any(b for _, b in breakdowns):
+        lines += ["", "## ControlNet calls (latency requests; means per call, from the server's metrics)", "",
+                  "| configuration | calls | BLS wall ms | service compute ms | transfer + overhead ms "
+                  "| decoder wait ms / step | graph replays | session misses |", "| --- |" + " --- |" * 7]
+        for name, b in breakdowns:
+            if b:
+                lines.append(f"| {name} | {b['calls']:.0f} | {secs(b['bls_wall_ms'], 1)} | {secs(b['compute_ms'], 1)} "
+                             f"| {secs(b['transfer_and_overhead_ms'], 1)} | {secs(b['decoder_wait_ms_per_step'], 1)} "
+                             f"| {b.get('graph_replays', 0):.0f} | {b.get('session_misses', 0):.0f} |")
     lines += ["", "## Cold start", "",
               "Easel: launch to ready, first start with the repository's compile cache empty, second start on the "
               "same repository. Runtime warm-up: `easel_runtime_warmup_seconds` (capturing/compiling buckets at load). "

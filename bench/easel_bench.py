@@ -187,6 +187,26 @@ def _total(snapshot: dict | None, name: str) -> float | None:
     return sum(values.values()) if values else None
 
 
+def controlnet_breakdown(before: dict, after: dict) -> dict | None:
+    """Where a ControlNet call's time went over the latency requests (one at a time), from the
+    metrics' deltas: the denoiser's BLS wall time per call, the service's compute (inputs to
+    residuals), the rest (transfers, Triton and the BLS threads), and what the decoder half
+    waited for residuals per step. None without ControlNet calls."""
+    def delta(name):
+        return (_total(after, name) or 0.0) - (_total(before, name) or 0.0)
+
+    calls = delta("easel_controlnet_calls_total")
+    if not calls:
+        return None
+    wall, compute = delta("easel_controlnet_call_seconds_total"), delta("easel_controlnet_compute_seconds_total")
+    steps = delta("easel_denoiser_step_rows_count")
+    return {"calls": calls, "steps": steps, "bls_wall_ms": 1000 * wall / calls, "compute_ms": 1000 * compute / calls,
+            "transfer_and_overhead_ms": 1000 * (wall - compute) / calls,
+            "decoder_wait_ms_per_step": 1000 * delta("easel_controlnet_wait_seconds_total") / steps if steps else None,
+            "session_misses": delta("easel_controlnet_session_misses_total"),
+            "graph_replays": delta("easel_controlnet_graph_replays_total")}
+
+
 def _folder_bytes(root: Path, name: str) -> int:
     return sum(f.stat().st_size for d in root.rglob(name) if d.is_dir() for f in d.rglob("*") if f.is_file())
 
@@ -273,6 +293,7 @@ def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> No
             start = time.perf_counter()
             client.generate("warm up", steps=2, seed=0, **request)
             rec["warmup_request_s"] = time.perf_counter() - start
+            rec["metrics"]["after_warmup"] = metrics_snapshot(server.metrics_port)
             rec["latency_s"], rec["infos"] = [], []
             for seed in range(setup.runs):
                 start = time.perf_counter()
@@ -291,6 +312,7 @@ def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> No
         rec["stages_median_s"] = {k: float(np.median([s[k] for s in stages if k in s]))
                                   for k in sorted({k for s in stages for k in s})}
         rec["metrics"]["after_latency"] = metrics_snapshot(server.metrics_port)
+        rec["controlnet_per_call"] = controlnet_breakdown(rec["metrics"]["after_warmup"], rec["metrics"]["after_latency"])
         save()
 
         rec["throughput"] = {}

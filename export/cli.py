@@ -82,7 +82,8 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--lora-loaders", type=int, default=2,
                      help="processes per denoiser that load LoRA files (in parallel; one that crashes is replaced)")
     exp.add_argument("--controlnet-gpus", type=_gpus, default=None,
-                     help="GPU ids of the ControlNet service (default: the denoisers' GPUs)")
+                     help="GPU ids of the ControlNet service (default: the denoisers' GPUs, both of each "
+                          "--cfg-parallel pair)")
     exp.add_argument("--controlnet-instances", type=int, default=2,
                      help="ControlNet service instances per GPU (or on CPU): ControlNets run at once")
     exp.add_argument("--controlnet-cache-gib", type=float, default=16.0,

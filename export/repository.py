@@ -59,7 +59,7 @@ class ExportOptions:
     max_loras: int = 3
     lora_bound_steps: int = 0  # steps a request may run before its LoRAs must be merged (0: exact)
     lora_loaders: int = 2  # LoRA loader processes per denoiser
-    controlnet_gpus: tuple[int, ...] | None = None  # the service's GPUs; default: the denoisers'
+    controlnet_gpus: tuple[int, ...] | None = None  # the service's GPUs; default: the denoisers' (all of each pair)
     controlnet_instances: int = 2  # per GPU (or on CPU): ControlNets that run at once
     controlnet_cache_gib: float = 16.0  # resident ControlNets per instance
     controlnet_mode: str = "sync"  # or "pipelined" (approximate; see backends/core/engine/denoiser.py)
@@ -145,9 +145,12 @@ class ExportOptions:
         return ["denoiser"] if self.cpu_denoisers == 1 else [f"denoiser_cpu{i}" for i in range(self.cpu_denoisers)]
 
     def controlnet_instances_group(self) -> Instances:
+        """Default: on every GPU a denoiser computes on (both of each cfg_parallel pair, whose
+        ControlNets are called per row)."""
         if self.device == "cpu":
             return Instances("KIND_CPU", self.controlnet_instances)
-        return Instances("KIND_GPU", self.controlnet_instances, tuple(self.controlnet_gpus or self.gpus))
+        denoising = tuple(g for pair in self.cfg_parallel for g in pair) or self.gpus
+        return Instances("KIND_GPU", self.controlnet_instances, tuple(self.controlnet_gpus or denoising))
 
     def instances(self, gpu: int | None = None, count: int = 1) -> Instances:
         if self.device == "cpu":

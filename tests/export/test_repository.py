@@ -298,6 +298,9 @@ def test_cfg_parallel_export_makes_one_denoiser_per_gpu_pair(tiny_model, tmp_pat
         assert denoiser.runtime.row_buckets == (1, 2, 4, 8)
     assert params_of(parsed["easel"])["denoisers"] == "denoiser_gpu0,denoiser_gpu2"
     assert params_of(parsed["controlnet"])["graphs"] == "true"  # ControlNets as CUDA graphs on a fast runtime
+    (group,) = parsed["controlnet"].instance_group  # on every GPU of the pairs: they are called per row
+    assert list(group.gpus) == [0, 1, 2, 3] and group.count == 2
+    assert DenoiserConfig.from_json(params_of(parsed["denoiser_gpu0"])["denoiser"]).controlnet_instances == 8
     with pytest.raises(SystemExit):  # the pairs name the GPUs
         main(["export", "--model", str(tiny_model), "--out", str(repo), "--device", "cuda", "--gpus", "0",
               "--cfg-parallel", "0:1"])

@@ -160,3 +160,17 @@ def test_cfg_parallel_flag_names_the_gpu_pairs():
     entries = [easel_bench.config_entry(results, s) for s in (setup, single, replicas)]
     assert len({id(e) for e in entries}) == 3
     assert entries[0]["gpus"] == [0, 1] and entries[0]["cfg_parallel"] == [[0, 1]]
+
+
+def test_controlnet_breakdown_from_metric_deltas():
+    def snap(calls, wall, compute, wait, steps):
+        return {"easel_controlnet_calls_total": {'model="d0"': calls},
+                "easel_controlnet_call_seconds_total": {'model="d0"': wall},
+                "easel_controlnet_compute_seconds_total": {'instance="c0"': compute / 2, 'instance="c1"': compute / 2},
+                "easel_controlnet_wait_seconds_total": {'model="d0"': wait},
+                "easel_denoiser_step_rows_count": {'model="d0"': steps}}
+
+    b = easel_bench.controlnet_breakdown(snap(2, 0.1, 0.06, 0.01, 2), snap(102, 5.1, 3.06, 0.51, 52))
+    assert b["calls"] == 100 and b["bls_wall_ms"] == pytest.approx(50) and b["compute_ms"] == pytest.approx(30)
+    assert b["transfer_and_overhead_ms"] == pytest.approx(20) and b["decoder_wait_ms_per_step"] == pytest.approx(10)
+    assert easel_bench.controlnet_breakdown(snap(2, 0.1, 0.06, 0, 2), snap(2, 0.1, 0.06, 0, 9)) is None
