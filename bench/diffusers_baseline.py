@@ -19,9 +19,10 @@ from bench.bench_setup import (LORA_SCALE, PROMPT, SERVER_CACHE_ENV, WARMUP_STEP
 log = logging.getLogger("bench.easel_bench")
 
 
-def diffusers_pipeline(setup: Setup, prep: dict):
-    """What a diffusers user runs: the pipeline (with its ControlNets) on the device; LoRAs loaded,
-    weighted, fused into the weights and unloaded once, before any timing."""
+def diffusers_pipeline(setup: Setup, prep: dict, fuse_loras: bool = True):
+    """What a diffusers user runs: the pipeline (with its ControlNets) on the device; with
+    `fuse_loras`, the LoRAs loaded, weighted, fused into the weights and unloaded once, before any
+    timing (else per call: fuse_from_disk)."""
     import torch
     from diffusers import (ControlNetModel, EulerDiscreteScheduler, MultiControlNetModel,
                            StableDiffusionXLControlNetPipeline, StableDiffusionXLPipeline)
@@ -40,14 +41,27 @@ def diffusers_pipeline(setup: Setup, prep: dict):
         extra["image"] = pictures[0] if len(nets) == 1 else pictures
     pipe = pipe.to(setup.torch_device)
     pipe.set_progress_bar_config(disable=True)
-    if prep["loras"]:
-        names = [x["name"] for x in prep["loras"]]
-        for lora in prep["loras"]:
-            pipe.load_lora_weights(lora["path"], adapter_name=lora["name"])
-        pipe.set_adapters(names, adapter_weights=[LORA_SCALE] * len(names))
-        pipe.fuse_lora(adapter_names=names)
+    if prep["loras"] and fuse_loras:
+        fuse(pipe, prep["loras"])
         pipe.unload_lora_weights()
     return pipe, extra
+
+
+def fuse(pipe, loras: list[dict]) -> None:
+    names = [x["name"] for x in loras]
+    for lora in loras:
+        pipe.load_lora_weights(lora["path"], adapter_name=lora["name"])
+    pipe.set_adapters(names, adapter_weights=[LORA_SCALE] * len(names))
+    pipe.fuse_lora(adapter_names=names)
+
+
+def fuse_from_disk(pipe, loras: list[dict]) -> None:
+    """A request's LoRAs as a diffusers user serves many: read from disk (page cache dropped
+    first, as for one of thousands of files) and fused."""
+    from bench.lora_sdxl import drop_cache
+
+    drop_cache([x["path"] for x in loras])
+    fuse(pipe, loras)
 
 
 def measure_diffusers(setup: Setup, prep: dict, images: Path, rec: dict, save, compiled: bool) -> None:
@@ -59,7 +73,13 @@ def measure_diffusers(setup: Setup, prep: dict, images: Path, rec: dict, save, c
         if setup.device == "cuda":
             torch.cuda.synchronize(setup.torch_device)
 
+    # Eager: a request's LoRAs are loaded and fused per call, inside its time (KATZ's serial
+    # baseline). Compiled: once before timing, as fusing into a compiled UNet would recompile it.
+    per_call = [] if compiled else prep["loras"]
+
     def call(count: int, steps: int, seeds: list[int]):
+        if per_call:
+            fuse_from_disk(pipe, per_call)
         return pipe([PROMPT] * count, width=setup.size, height=setup.size, num_inference_steps=steps,
                     guidance_scale=GUIDANCE, generator=[torch.Generator("cpu").manual_seed(s) for s in seeds],
                     **extra).images
@@ -69,12 +89,18 @@ def measure_diffusers(setup: Setup, prep: dict, images: Path, rec: dict, save, c
         start = time.perf_counter()
         fn()
         sync()
-        return time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        if per_call:  # after the clock: a server takes them out after answering
+            pipe.unfuse_lora()
+            pipe.unload_lora_weights()
+        return seconds
 
     rec.update(date=now(), dtype=setup.dtype, device=setup.torch_device, scheduler="EulerDiscreteScheduler",
-               lora="loaded, set_adapters, fused and unloaded once before timing" if prep["loras"] else None)
+               lora=(("loaded, set_adapters, fused and unloaded once before timing" if compiled else
+                      "read from disk (page cache dropped), set_adapters and fused per call, inside its time; "
+                      "unfused and unloaded after it, outside") if prep["loras"] else None))
     start = time.perf_counter()
-    pipe, extra = diffusers_pipeline(setup, prep)
+    pipe, extra = diffusers_pipeline(setup, prep, fuse_loras=compiled)
     rec["load_s"] = time.perf_counter() - start
     original = saved_env = None
     try:
