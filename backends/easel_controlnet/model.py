@@ -28,7 +28,7 @@ from backends.bls_controlnets import sync_current_stream, to_triton  # noqa: E40
 from backends.core.adapters.store import AdapterStore  # noqa: E402
 from backends.core.adapters.controlnet import ControlCall, run_controlnet  # noqa: E402
 from backends.core.adapters.controlnet_graphs import ControlNetGraphs  # noqa: E402
-from backends.core.adapters.control_sessions import CONSTANTS, ControlSessions  # noqa: E402
+from backends.core.adapters.control_sessions import CONSTANTS, MAX_KEY_CHARS, ControlSessions  # noqa: E402
 from backends.core.request.params import InvalidInput, UnknownAdapter  # noqa: E402
 from backends.core.adapters.controlnet_cache import ControlNetCache  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
@@ -135,6 +135,8 @@ class TritonPythonModel:
         given = [_optional(request, n) for n in CONSTANTS]
         session = _optional(request, "session")
         key = scalar(session.as_numpy()).decode(errors="replace") if session is not None else None
+        if key is not None and not 0 < len(key) <= MAX_KEY_CHARS:
+            raise InvalidInput("session", f"has {len(key)} characters, outside 1 to {MAX_KEY_CHARS}")
         if all(t is not None for t in given):
             dtype = self.placement.torch_dtype
             tensors = tuple(torch.from_dlpack(t.to_dlpack()).to(self.device, dtype) for t in given)

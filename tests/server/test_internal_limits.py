@@ -110,3 +110,27 @@ def test_tensors_must_match_the_checked_params(server, model, name, array, expec
         grpcclient.InferenceServerClient(server.url_grpc).infer(model, inputs)
     assert expected in err.value.message()
     assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
+
+
+@pytest.mark.parametrize("session, constants, status, expected", [
+    (None, False, "INVALID_ARGUMENT", "image: give image, prompt_embeds, pooled_embeds, time_ids together"),
+    ("x" * 300, True, "INVALID_ARGUMENT", "session: has 300 characters, outside 1 to 256"),
+    ("never-sent", False, "NOT_FOUND", "session: this instance holds no session 'never-sent'"),
+])
+def test_controlnet_service_checks_its_session_inputs(server, session, constants, status, expected):
+    """The ControlNet service called directly: a call without a request's image and embeddings
+    names a session an instance holds (backends/core/adapters/control_sessions.py), or fails."""
+    inputs = [_tensor("name", np.array([b"canny"], dtype=np.object_), "BYTES"),
+              _tensor("scale", np.ones(1, np.float32), "FP32"),
+              _tensor("sample", np.zeros((1, 4, 8, 8), np.float32), "FP32"),
+              _tensor("timestep", np.full(1, 500.0, np.float32), "FP32")]
+    if constants:
+        inputs += [_tensor("prompt_embeds", np.zeros((1, 77, 64), np.float32), "FP32"),
+                   _tensor("pooled_embeds", np.zeros((1, 32), np.float32), "FP32"),
+                   _tensor("time_ids", np.zeros((1, 6), np.float32), "FP32"),
+                   _tensor("image", np.zeros((1, 3, 64, 64), np.float32), "FP32")]
+    if session is not None:
+        inputs.append(_tensor("session", np.array([session.encode()], dtype=np.object_), "BYTES"))
+    with pytest.raises(InferenceServerException) as err:
+        grpcclient.InferenceServerClient(server.url_grpc).infer("controlnet", inputs)
+    assert err.value.status() == f"StatusCode.{status}" and expected in err.value.message(), err.value.message()

@@ -27,3 +27,10 @@ def test_sessions_are_kept_as_copies_and_evicted_least_recent_first():
     assert (sessions.stats.hits, sessions.stats.misses, sessions.stats.evictions) == (4, 1, 1)
     sessions.put("d", tensors(2000, 5.0))  # replacing an entry counts its new size once
     assert sessions.nbytes <= 3000 and float(sessions.get("d")[0][0]) == 5.0
+
+
+def test_entries_are_bounded_in_number_too():
+    sessions = ControlSessions(budget_bytes=2**30, max_entries=3)
+    for key in "abcd":
+        sessions.put(key, tensors(4, 1.0))
+    assert sessions.get("a") is None and all(sessions.get(k) is not None for k in "bcd")

@@ -18,6 +18,10 @@ from dataclasses import dataclass
 import torch
 
 CONSTANTS = ("image", "prompt_embeds", "pooled_embeds", "time_ids")
+# Sessions an instance keeps at most, whatever their size (the service is reachable by clients:
+# Triton cannot hide internal models), and the longest session name it takes.
+MAX_ENTRIES = 4096
+MAX_KEY_CHARS = 256
 
 
 @dataclass
@@ -29,8 +33,9 @@ class SessionStats:
 
 
 class ControlSessions:
-    def __init__(self, budget_bytes: int):
+    def __init__(self, budget_bytes: int, max_entries: int = MAX_ENTRIES):
         self.budget_bytes = budget_bytes
+        self.max_entries = max_entries
         self.stats = SessionStats()
         self._entries: OrderedDict[str, tuple[tuple[torch.Tensor, ...], int]] = OrderedDict()
         self._bytes = 0
@@ -42,7 +47,7 @@ class ControlSessions:
         nbytes = sum(t.numel() * t.element_size() for t in kept)
         with self._lock:
             self._drop(key)
-            while self._entries and self._bytes + nbytes > self.budget_bytes:
+            while self._entries and (self._bytes + nbytes > self.budget_bytes or len(self._entries) >= self.max_entries):
                 self._drop(next(iter(self._entries)))
                 self.stats.evictions += 1
             self._entries[key] = (kept, nbytes)
