@@ -26,18 +26,11 @@ from backends.core.runtime.config import RuntimeConfig
 from backends.core.runtime.placement import Placement
 from backends.core.stages.text_encoding import PromptEncoder
 from export.repository import ExportOptions, export_repository
-from tests.gpu.test_fast_runtime import TOL, batch, rel_err, step
+from tests.gpu.test_fast_runtime import TOL, batch, no_tf32, rel_err, step  # noqa: F401 (autouse fixture)
+from tests.unit.test_cfg_parallel import run_requests
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.device_count() < 2, reason="latent parallelism needs two GPUs")]
-
-
-@pytest.fixture(autouse=True)
-def no_tf32():
-    saved = torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32
-    torch.backends.cudnn.allow_tf32 = torch.backends.cuda.matmul.allow_tf32 = False
-    yield
-    torch.backends.cudnn.allow_tf32, torch.backends.cuda.matmul.allow_tf32 = saved
 
 
 @pytest.fixture(scope="module")
@@ -74,14 +67,6 @@ def test_a_split_step_on_two_gpus_equals_one_gpu(folder, dtype):
             got = step(two, b, res)
             assert got.device == torch.device("cuda:0") and rel_err(got, want) <= TOL[tdtype], res is None
     assert two.primary.stats.graph_steps == 4 and two.secondary.stats.graph_steps == 4
-
-
-def run_requests(engine: TorchDenoiser, jobs) -> list[torch.Tensor]:
-    with engine.on_stream():
-        states = [engine.start(job) for job in jobs]
-        while states[0].index < len(states[0].timesteps):
-            engine.step(states)
-    return [torch.from_numpy(engine.result(s)) for s in states]
 
 
 def test_denoiser_on_two_gpus_reproduces_one_gpu_with_a_merged_lora(repo, folder, tiny_model):
