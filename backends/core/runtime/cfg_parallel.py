@@ -29,7 +29,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from backends.core.runtime.base import (EncoderOut, LoraSegment, PlacedResiduals, Residuals, RuntimeCaps, StepBatch,
+from backends.core.runtime.base import (EncoderOut, LoraSegment, PlacedResiduals, Residuals, StepBatch,
                                         UNetRuntime, check_batch)
 
 MAX_SPLITS = 256  # row splits kept with their index tensors
