@@ -84,27 +84,40 @@ def collect_controls(states, pending: list[list[ControlPart]], sides: tuple[int,
     shapes = next((r for got in summed if got for _, r in got), None)
     if shapes is None:
         return Collected(None, wait_s, calls)
-    per_side: dict = {}  # side -> ([rows of each down residual], [rows of mid]), in batch order
+    per_side: dict = {}  # side -> [residuals of each span on it], in batch order
     row = 0
     for s, got in zip(states, summed):
-        for k in range(s.rows):
-            side = sides[row + k] if sides is not None else 0
-            down, mid = _row(got, k, shapes, side_devices[side])
-            acc = per_side.setdefault(side, ([[] for _ in down], []))
-            for rows, d in zip(acc[0], down):
-                rows.append(d)
-            acc[1].append(mid)
+        for offset, n, side in _spans(sides[row:row + s.rows] if sides is not None else (0,) * s.rows):
+            per_side.setdefault(side, []).append(_span(got, offset, n, shapes, side_devices[side]))
         row += s.rows
-    placed = {side: ([torch.cat(d) for d in down], torch.cat(mid)) for side, (down, mid) in per_side.items()}
+    placed = {side: _cat(spans) for side, spans in per_side.items()}
     return Collected(placed[0] if sides is None else placed, wait_s, calls)
 
 
-def _row(got, k: int, shapes: Residuals, device) -> Residuals:
-    """Row k of a request's residuals on `device` (a pipelined call may have been made for another
-    side), or zeros where it has none."""
+def _spans(sides: tuple[int, ...]):
+    """A request's rows as runs on one side: (first row, rows, side)."""
+    start = 0
+    for k in range(1, len(sides) + 1):
+        if k == len(sides) or sides[k] != sides[start]:
+            yield start, k - start, sides[start]
+            start = k
+
+
+def _span(got, offset: int, n: int, shapes: Residuals, device) -> Residuals:
+    """Rows offset..offset+n of a request's residuals on `device`: from the part that covers them
+    (a view, unless a pipelined call was made for another side), row by row from parts that cover
+    them apart, or zeros where the request has none."""
     for part, (down, mid) in got or ():
-        if part.offset <= k < part.offset + part.rows:
-            i = slice(k - part.offset, k - part.offset + 1)
+        if part.offset <= offset and offset + n <= part.offset + part.rows:
+            i = slice(offset - part.offset, offset - part.offset + n)
             return [d[i].to(device) for d in down], mid[i].to(device)
-    return ([d.new_zeros((1, *d.shape[1:]), device=device) for d in shapes[0]],
-            shapes[1].new_zeros((1, *shapes[1].shape[1:]), device=device))
+    if got and n > 1:
+        return _cat([_span(got, offset + k, 1, shapes, device) for k in range(n)])
+    return ([d.new_zeros((n, *d.shape[1:]), device=device) for d in shapes[0]],
+            shapes[1].new_zeros((n, *shapes[1].shape[1:]), device=device))
+
+
+def _cat(parts: list[Residuals]) -> Residuals:
+    if len(parts) == 1:
+        return parts[0]
+    return [torch.cat(d) for d in zip(*(down for down, _ in parts))], torch.cat([mid for _, mid in parts])
