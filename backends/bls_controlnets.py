@@ -58,7 +58,6 @@ class BlsControlNets:
         self.instances = instances
         # session -> calls that carried its constants
         self._sessions: OrderedDict[str, int] = OrderedDict()
-        self.session_resends = 0  # calls sent again with their constants (an instance lacked them)
 
     def check(self, name: str) -> None:
         self.store.controlnet(name)
@@ -100,9 +99,7 @@ class BlsControlNets:
         except UnknownAdapter as exc:
             if constants or exc.field != "session":
                 raise
-            constants = True
-            with self._lock:
-                self.session_resends += 1
+            constants = True  # (the service counts these: easel_controlnet_session_misses_total)
             response = self._request(call, device, constants)
         if call.session is not None and constants:
             with self._lock:

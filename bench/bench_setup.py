@@ -132,6 +132,12 @@ class Setup:
         """Every GPU the denoisers compute on."""
         return tuple(g for pair in self.cfg_parallel for g in pair) or self.gpus
 
+    def placement(self) -> dict:
+        """Where Easel ran, as a configuration's entry records it (and tells entries apart)."""
+        return {"gpus": list(self.denoiser_gpus),
+                "controlnet_gpus": list(self.controlnet_gpus) if self.controlnet_gpus else None,
+                "cfg_parallel": [list(p) for p in self.cfg_parallel] or None}
+
     @property
     def torch_device(self) -> str:
         return f"cuda:{self.gpus[0]}" if self.device == "cuda" else "cpu"

@@ -87,20 +87,17 @@ def config_entry(results: dict, setup: Setup, skip: set[str] = frozenset()) -> d
     GPUs and Easel runtime (phases measured now replace its old ones), or a new one. A new one
     takes the diffusers phases it skips from an entry that differs only in Easel's runtime
     (diffusers does not depend on it), so each Easel runtime gets its ratios."""
-    def key(name, size, steps, gpus, controlnet_gpus, cfg_parallel):
-        return (name, size, steps, tuple(gpus or ()), tuple(controlnet_gpus or ()),
-                tuple(tuple(p) for p in cfg_parallel or ()))
+    placement = setup.placement()
 
-    mine = key(setup.name, setup.size, setup.steps, setup.denoiser_gpus, setup.controlnet_gpus, setup.cfg_parallel)
-    siblings = [e for e in results["configs"]
-                if key(e.get("name"), e.get("size"), e.get("steps"), e.get("gpus"), e.get("controlnet_gpus"),
-                       e.get("cfg_parallel")) == mine]
+    def key(entry):
+        return (entry.get("name"), entry.get("size"), entry.get("steps"), *(repr(entry.get(k) or None) for k in placement))
+
+    mine = key({"name": setup.name, "size": setup.size, "steps": setup.steps, **placement})
+    siblings = [e for e in results["configs"] if key(e) == mine]
     for entry in siblings:
         if entry.get("runtime") == setup.resolved_runtime:
             return entry
-    entry = {"name": setup.name, "size": setup.size, "steps": setup.steps, "gpus": list(setup.denoiser_gpus),
-             "controlnet_gpus": list(setup.controlnet_gpus) if setup.controlnet_gpus else None,
-             "cfg_parallel": [list(p) for p in setup.cfg_parallel] or None,
+    entry = {"name": setup.name, "size": setup.size, "steps": setup.steps, **placement,
              "runtime": setup.resolved_runtime}
     for system in ("diffusers_eager", "diffusers_compiled"):
         source = next((e for e in siblings if system in skip and phase(e, system)), None)
@@ -404,9 +401,7 @@ def run(setup: Setup, out: Path, skip: set[str], argv: list[str]) -> int:
                    versions={**results.get("versions", {}), **versions()}, command=list(sys.argv),
                    args=argv, date=now())
     entry = config_entry(results, setup, skip)
-    entry.update(name=setup.name, controlnets=setup.controlnets, loras=setup.loras, gpus=list(setup.denoiser_gpus),
-                 cfg_parallel=[list(p) for p in setup.cfg_parallel] or None,
-                 controlnet_gpus=list(setup.controlnet_gpus) if setup.controlnet_gpus else None,
+    entry.update(name=setup.name, controlnets=setup.controlnets, loras=setup.loras, **setup.placement(),
                  runtime=setup.resolved_runtime, gpu=gpu, size=setup.size, steps=setup.steps,
                  throughput_steps=setup.throughput_steps,
                  runs=setup.runs, concurrency=list(setup.concurrency), device=setup.device, dtype=setup.dtype,

@@ -86,7 +86,7 @@ class ExportOptions:
         if self.device == "cuda" and not self.gpus:
             raise ValueError("gpus: at least one GPU id is needed with --device cuda")
         if self.cfg_parallel:
-            used = [g for pair in self.cfg_parallel for g in pair]
+            used = self.denoiser_gpus
             if self.device != "cuda":
                 raise ValueError("cfg_parallel: GPU pairs need --device cuda")
             if any(len(pair) != 2 for pair in self.cfg_parallel) or len(set(used)) != len(used) or min(used) < 0:
@@ -119,6 +119,11 @@ class ExportOptions:
                              fused_kernels=self.fused_kernels)
 
     @property
+    def denoiser_gpus(self) -> tuple[int, ...]:
+        """Every GPU a denoiser computes on (both of each cfg_parallel pair)."""
+        return tuple(g for pair in self.cfg_parallel for g in pair) or self.gpus
+
+    @property
     def cfg_parallel_devices(self) -> list[str | None]:
         """Each denoiser's second device (DenoiserConfig.cfg_parallel_device), in denoiser order."""
         if self.cfg_parallel:
@@ -149,8 +154,7 @@ class ExportOptions:
         ControlNets are called per row)."""
         if self.device == "cpu":
             return Instances("KIND_CPU", self.controlnet_instances)
-        denoising = tuple(g for pair in self.cfg_parallel for g in pair) or self.gpus
-        return Instances("KIND_GPU", self.controlnet_instances, tuple(self.controlnet_gpus or denoising))
+        return Instances("KIND_GPU", self.controlnet_instances, tuple(self.controlnet_gpus or self.denoiser_gpus))
 
     def instances(self, gpu: int | None = None, count: int = 1) -> Instances:
         if self.device == "cpu":

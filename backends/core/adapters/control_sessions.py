@@ -28,7 +28,6 @@ MAX_KEY_CHARS = 256
 class SessionStats:
     hits: int = 0
     misses: int = 0
-    stored: int = 0
     evictions: int = 0
 
 
@@ -52,7 +51,6 @@ class ControlSessions:
                 self.stats.evictions += 1
             self._entries[key] = (kept, nbytes)
             self._bytes += nbytes
-            self.stats.stored += 1
 
     def get(self, key: str) -> tuple[torch.Tensor, ...] | None:
         with self._lock:
