@@ -53,7 +53,7 @@ def finalize(entry: dict, images: Path | None = None) -> dict:
                  for system in SYSTEMS} for c in levels}
     easel = entry.get("easel") or {}
     entry["easel_stages_median_s"] = easel.get("stages_median_s")
-    cold = easel.get("cold_start_s") or {}
+    cold = {} if easel.get("shared_compile_cache") else easel.get("cold_start_s") or {}  # a shared cache: not cold
     entry["cold_start_first_s"], entry["cold_start_second_s"] = cold.get("first"), cold.get("second")
     entry["easel_runtime"] = easel.get("runtime") or entry.get("runtime")
     entry["diffusers_compile_mode"] = (entry.get("diffusers_compiled") or {}).get("mode")

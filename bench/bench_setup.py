@@ -62,6 +62,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-diffusers-eager", action="store_true", help="keep those already in --out")
     p.add_argument("--skip-diffusers-compiled", action="store_true", help="keep those already in --out (or none)")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a server start may take")
+    p.add_argument("--shared-compile-cache", action="store_true",
+                   help="every configuration's server compiles into one cache in --work and starts once: a later "
+                        "configuration (or run) loads what an earlier one compiled. No cold-start figures then")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="the whole run on CPU with the tiny model (fp32, eager, no torch.compile): tests the script")
     p.add_argument("--replot", type=Path, default=None, metavar="DIR",
@@ -122,6 +125,7 @@ class Setup:
     controlnet_gpus: tuple[int, ...] | None
     ready_timeout: float
     smoke: bool
+    shared_compile_cache: bool = False
 
     @property
     def name(self) -> str:
@@ -181,7 +185,7 @@ def resolve(args: argparse.Namespace) -> Setup:
                  loras=args.loras,
                  lora_mib=0.25 if smoke else args.lora_mib, gpus=gpus, cfg_parallel=tuple(args.cfg_parallel),
                  controlnet_gpus=tuple(args.controlnet_gpus) if args.controlnet_gpus else None,
-                 ready_timeout=args.ready_timeout,
+                 ready_timeout=args.ready_timeout, shared_compile_cache=args.shared_compile_cache,
                  smoke=smoke, **pick)
 
 

@@ -228,8 +228,9 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
         (model / "config.pbtxt").write_text(python_model(
             "controlnet", "easel_controlnet", decl, options.controlnet_instances_group(),
             {"dtype": dtype, "adapters": store, "cache_bytes": str(int(options.controlnet_cache_gib * 2**30)),
-             # On a fast runtime each resident ControlNet runs as CUDA graphs, one per call shape.
-             "graphs": _flag(options.resolved_runtime != "eager"),
+             # On a fast runtime each resident ControlNet runs as CUDA graphs, one per call shape,
+             # of compiled code under `compiled`.
+             "runtime": options.resolved_runtime,
              # Keep the denoiser's GPU tensors on the GPU: by default the Python backend copies
              # every input to host memory first (~100 MB a call at 1024 px).
              "FORCE_CPU_ONLY_INPUT_TENSORS": "no"}))
@@ -290,7 +291,8 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
     # requests landing on fresh instances paid.
     model = _fresh_model_dir(repo, "postprocess")
     side = limits.min_size
-    first = validate({"prompt": "warm-up", "width": side, "height": side}, limits).to_json()
+    # A fixed seed: the same export writes the same bytes.
+    first = validate({"prompt": "warm-up", "width": side, "height": side, "seed": 0}, limits).to_json()
     (model / "config.pbtxt").write_text(python_model(
         "postprocess", "easel_postprocess", contract.POSTPROCESS, Instances("KIND_CPU", options.postprocess_instances),
         checks, warmup=warmup(model, [WarmupInput("params", "BYTES", (1,), first),

@@ -30,9 +30,10 @@ from backends.core.adapters.controlnet import ControlCall, run_controlnet  # noq
 from backends.core.adapters.controlnet_graphs import ControlNetGraphs  # noqa: E402
 from backends.core.adapters.control_sessions import CONSTANTS, MAX_KEY_CHARS, ControlSessions  # noqa: E402
 from backends.core.request.params import InvalidInput, UnknownAdapter  # noqa: E402
+from backends.core.runtime.compile_cache import use_compile_cache  # noqa: E402
 from backends.core.adapters.controlnet_cache import ControlNetCache  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
-    Metrics, adapter_store_folder, each_request, parameters, placement, scalar, setup_logging)
+    Metrics, adapter_store_folder, each_request, parameters, placement, scalar, setup_logging, version_folder)
 
 
 # Sessions an instance keeps (a request's image, embeddings and time ids: 13 MB at 1024 px in fp16
@@ -98,8 +99,14 @@ class TritonPythonModel:
         self.device = torch.device(self.placement.device)
         self.cache = ControlNetCache(AdapterStore(adapter_store_folder(args)), self.placement,
                                      budget_bytes=int(params["cache_bytes"]))
-        # On a fast runtime each resident ControlNet runs as CUDA graphs, one per call shape.
-        self.graphs = ControlNetGraphs() if params.get("graphs") == "true" and self.device.type == "cuda" else None
+        # On a fast runtime each resident ControlNet runs as CUDA graphs, one per call shape, over
+        # compiled code if the UNet's runtime is `compiled`.
+        runtime = params.get("runtime", "eager")
+        self.graphs = None
+        if runtime != "eager" and self.device.type == "cuda":
+            if runtime == "compiled":
+                use_compile_cache(version_folder(args) / "compile_cache")
+            self.graphs = ControlNetGraphs(compiled=runtime == "compiled")
         self.sessions = ControlSessions(int(params.get("session_bytes", DEFAULT_SESSION_BYTES)))
         self.metrics = _CacheMetrics(args)
         self.compute_seconds = 0.0

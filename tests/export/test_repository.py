@@ -297,7 +297,7 @@ def test_cfg_parallel_export_makes_one_denoiser_per_gpu_pair(tiny_model, tmp_pat
         assert denoiser.cfg_parallel_device == f"cuda:{second}"
         assert denoiser.runtime.row_buckets == (1, 2, 4, 8)
     assert params_of(parsed["easel"])["denoisers"] == "denoiser_gpu0,denoiser_gpu2"
-    assert params_of(parsed["controlnet"])["graphs"] == "true"  # ControlNets as CUDA graphs on a fast runtime
+    assert params_of(parsed["controlnet"])["runtime"] == "compiled"  # ControlNets as graphs of compiled code by default
     (group,) = parsed["controlnet"].instance_group  # on every GPU of the pairs: they are called per row
     assert list(group.gpus) == [0, 1, 2, 3] and group.count == 2
     assert DenoiserConfig.from_json(params_of(parsed["denoiser_gpu0"])["denoiser"]).controlnet_instances == 8

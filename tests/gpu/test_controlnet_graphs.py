@@ -44,3 +44,26 @@ def test_graphs_equal_eager_and_follow_scale_shape_and_eviction(tiny_model):
     cache.acquire("depth")  # evicts canny: its graphs go with it
     gc.collect()
     assert graphs._graphs == {}
+
+
+def test_compiled_graphs_equal_eager_for_two_controlnets(tiny_model, tmp_path):
+    """Graphs of compiled code: each ControlNet's residuals within fp16 tolerance of its eager
+    ones, with the code compiled once for both (the second is captured, not compiled)."""
+    from backends.core.runtime.compile_cache import use_compile_cache
+
+    use_compile_cache(tmp_path / "compile_cache")
+    torch._dynamo.reset()
+    cache = ControlNetCache(AdapterStore(tiny_model / "adapters"), Placement("cuda:0", "fp16"), budget_bytes=2**30)
+    graphs = ControlNetGraphs(compiled=True)
+    for name in ("canny", "depth"):
+        model = cache.acquire(name)
+        for rows, scale, seed in ((2, 0.7, 0), (4, 1.0, 1)):
+            call = on_gpu(random_call(model, rows=rows, scale=scale, seed=seed))
+            want_down, want_mid = run_controlnet(model, call)
+            down, mid = graphs.run(model, call)
+            assert rel_err(mid, want_mid) <= TOL[torch.float16], (name, rows)
+            assert max(rel_err(a, b) for a, b in zip(down, want_down)) <= TOL[torch.float16], (name, rows)
+        cache.release(name)
+    assert graphs.captures == 4
+    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # rows dynamic, one architecture
+    torch._dynamo.reset()

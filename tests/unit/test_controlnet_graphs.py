@@ -35,3 +35,33 @@ def test_cpu_calls_run_eagerly_and_exactly(tiny_model):
     local = LocalControlNets(cache, graphs=True)
     got_down, got_mid = local.submit(call).result()
     assert torch.equal(got_mid, want_mid)
+
+
+def test_compiled_forward_is_shared_by_controlnets_of_one_architecture(tiny_model):
+    """The forward the graphs capture is compiled once for every ControlNet of one architecture
+    (dynamo lifts their parameters to inputs): a second ControlNet, or a new row count, compiles
+    nothing more, and each still computes its own residuals. CPU, with a counting backend in
+    place of inductor: the same tracing, no code generation."""
+    from torch._dynamo.testing import CompileCounter
+
+    torch._dynamo.reset()
+    counter = CompileCounter()
+    graphs = ControlNetGraphs(compiled=True, backend=counter)
+    cache = ControlNetCache(AdapterStore(tiny_model / "adapters"), Placement(), budget_bytes=2**30)
+    canny, depth = cache.acquire("canny"), cache.acquire("depth")
+    assert any(not torch.equal(a, b) for a, b in zip(canny.parameters(), depth.parameters()))
+    for model in (canny, depth):
+        for rows in (2, 3):
+            call = random_call(model, rows=rows, scale=1.0, seed=rows)
+            inputs = (call.sample, call.timestep, call.embeds, call.image, call.pooled, call.time_ids)
+            if rows == 2:
+                for t in inputs:  # as cuda_graphs.capture marks them
+                    torch._dynamo.maybe_mark_dynamic(t, 0)
+            down, mid = graphs.forward(model, *inputs)
+            want_down, want_mid = run_controlnet(model, call)
+            # Re-traced ops: same kernels on CPU, but not promised bit for bit.
+            torch.testing.assert_close(mid, want_mid, rtol=1e-5, atol=1e-5)
+            for got, want in zip(down, want_down):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    assert counter.frame_count == 1
+    torch._dynamo.reset()

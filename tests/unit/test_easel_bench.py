@@ -174,3 +174,21 @@ def test_controlnet_breakdown_from_metric_deltas():
     assert b["calls"] == 100 and b["bls_wall_ms"] == pytest.approx(50) and b["compute_ms"] == pytest.approx(30)
     assert b["transfer_and_overhead_ms"] == pytest.approx(20) and b["decoder_wait_ms_per_step"] == pytest.approx(10)
     assert easel_bench.controlnet_breakdown(snap(2, 0.1, 0.06, 0, 2), snap(2, 0.1, 0.06, 0, 9)) is None
+
+
+def test_shared_compile_cache_links_the_compiling_models_and_voids_cold_start(tmp_path):
+    repo = tmp_path / "repo"
+    for model in ("denoiser_gpu0", "denoiser_gpu2", "controlnet", "text_encoder", "vae_decoder"):
+        (repo / model / "1").mkdir(parents=True)
+    shared = easel_bench.share_compile_cache(repo, tmp_path / "work" / "compile-cache")
+    linked = sorted(p.parent.parent.name for p in repo.glob("*/1/compile_cache"))
+    assert linked == ["controlnet", "denoiser_gpu0", "denoiser_gpu2"]
+    (repo / "controlnet" / "1" / "compile_cache" / "kernel").write_text("x")
+    assert (shared / "kernel").read_text() == "x"  # one folder behind every link
+    assert easel_bench.share_compile_cache(repo, shared) == shared  # again: the links stay
+    assert bench_setup.resolve(bench_setup.parser().parse_args(["--shared-compile-cache"])).shared_compile_cache
+    # Its starts are not cold starts: the report leaves them out.
+    entry = _config("0C/0L")
+    entry["easel"]["shared_compile_cache"] = str(shared)
+    entry = bench_report.finalize(entry)
+    assert entry["cold_start_first_s"] is None and entry["cold_start_second_s"] is None

@@ -9,6 +9,12 @@ is applied after the replay: the same product diffusers' ControlNetModel compute
 copies the residuals out of the graph's static outputs, which the next replay overwrites. A
 ControlNet's graphs are dropped when the cache evicts it (their captured pointers name its
 weights). All graphs share one memory pool: a service instance runs one call at a time.
+
+`compiled`: the graphs replay torch.compile'd code. One compiled forward serves every ControlNet:
+dynamo lifts a module's parameters to graph inputs (inline_inbuilt_nn_modules, on by default), so
+ControlNets of one architecture share the code compiled for the first of them, and a newly loaded
+one costs a capture, not a compile. A new call shape compiles once (minutes at SDXL size: the
+first request of that shape waits for it; a restart loads it from the compile cache).
 """
 
 from __future__ import annotations
@@ -21,8 +27,13 @@ from backends.core.adapters.controlnet import ControlCall, Residuals, run_contro
 from backends.core.runtime.cuda_graphs import capture
 
 
+WARMUP_RUNS = 2  # before a capture, as for the UNet: compile, then cuDNN/cuBLAS settle on the compiled code
+
+
 class ControlNetGraphs:
-    def __init__(self):
+    def __init__(self, compiled: bool = False, backend: str = "inductor"):
+        self.compiled = compiled
+        self.forward = torch.compile(_forward, backend=backend) if compiled else _forward
         self._graphs: dict[int, dict[tuple, tuple]] = {}  # id(model) -> call shape -> (graph, inputs, outputs)
         self._pool = None
         self.captures = 0
@@ -42,7 +53,9 @@ class ControlNetGraphs:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
             static = tuple(t.clone() for t in inputs)
-            graphs[key] = (*capture(lambda *args: _forward(model, *args), static, self._pool), static)
+            graph, outputs = capture(lambda *args: self.forward(model, *args), static, self._pool, self.compiled,
+                                     WARMUP_RUNS if self.compiled else 1)
+            graphs[key] = (graph, outputs, static)
             self.captures += 1
         graph, (down, mid), static = graphs[key]
         for buffer, value in zip(static, inputs):

@@ -26,7 +26,6 @@ when the batch's `text_key` changes (a request joins or leaves, a LoRA merge) or
 from __future__ import annotations
 
 import logging
-import os
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -34,6 +33,7 @@ from pathlib import Path
 import torch
 
 from backends.core.runtime.base import EncoderOut, Residuals, RuntimeCaps, StepBatch, check_batch, refit_in_place
+from backends.core.runtime.compile_cache import use_compile_cache
 from backends.core.runtime.config import RuntimeConfig
 from backends.core.runtime.cuda_graphs import capture
 from backends.core.runtime.packed_attention import pack_attention
@@ -108,23 +108,11 @@ class FastUNetRuntime:
         cache = Path(self.config.compile_cache)
         if not cache.is_absolute() and cache_root is not None:
             cache = cache_root / cache
-        cache.mkdir(parents=True, exist_ok=True)
-        # inductor (and the Triton kernels it writes) read their cache folder at compile time: a
-        # restart finds every graph compiled before and loads it instead of compiling again. Set,
-        # not defaulted: inductor writes its default into the environment the first time it looks.
-        os.environ["TORCHINDUCTOR_CACHE_DIR"] = str(cache)
-        os.environ["TRITON_CACHE_DIR"] = str(cache / "triton")
-        import torch._inductor.config as inductor
-        from torch._dynamo import config as dynamo
-
-        inductor.fx_graph_cache = True
-        for knob in ("cache_size_limit", "recompile_limit"):  # one recompile per latent size at most
-            if hasattr(dynamo, knob):
-                setattr(dynamo, knob, 256)
+        use_compile_cache(cache)
         # dynamic=None: the row count is marked dynamic at capture (cuda_graphs.capture); latent sizes specialize.
         self.enc_fn = torch.compile(self.eager.encoder)
         self.dec_fn = torch.compile(self.eager.decoder)
-        log.info("compiling the UNet halves (inductor cache %s)", os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        log.info("compiling the UNet halves (inductor cache %s)", cache)
 
     # --- the contract ---
 
