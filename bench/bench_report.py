@@ -178,6 +178,18 @@ def markdown(results: dict) -> str:
                 lines.append(f"| {name} | {b['calls']:.0f} | {secs(b['bls_wall_ms'], 1)} | {secs(b['compute_ms'], 1)} "
                              f"| {secs(b['transfer_and_overhead_ms'], 1)} | {secs(b['decoder_wait_ms_per_step'], 1)} "
                              f"| {b.get('graph_replays', 0):.0f} | {b.get('session_misses', 0):.0f} |")
+    ideals = [(e["name"], (e.get("easel") or {}).get("controlnet_ideal")) for e in configs]
+    if any(i for _, i in ideals):
+        lines += ["", "## ControlNets against Gustafson's ideal (same run's parts, ms per step)", "",
+                  "Ideal: each ControlNet on a GPU of its own beside the encoder half, max(encoder, ControlNet) + "
+                  "decoder + the rest; serial: encoder + k ControlNets + decoder + the rest.", "",
+                  "| configuration | encoder | decoder | ControlNet | wait | step | ideal step | serial step "
+                  "| ideal speed-up | speed-up | of ideal |", "| --- |" + " --- |" * 10]
+        for name, i in ideals:
+            if i:
+                lines.append(f"| {name} | " + " | ".join(secs(i[k], 1) for k in (
+                    "encoder_ms", "decoder_ms", "controlnet_ms", "wait_ms", "step_ms", "ideal_step_ms", "serial_step_ms"))
+                    + f" | {times(i['ideal_speedup'])} | {times(i['speedup'])} | {i['of_ideal']:.0%} |")
     lines += ["", "## Cold start", "",
               "Easel: launch to ready, first start with the repository's compile cache empty, second start on the "
               "same repository. Runtime warm-up: `easel_runtime_warmup_seconds` (capturing/compiling buckets at load). "

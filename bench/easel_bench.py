@@ -57,31 +57,6 @@ log = logging.getLogger("bench.easel_bench")
 METRIC_PREFIXES = ("easel_", "nv_inference_", "nv_gpu_")
 
 
-
-# --- command line ----------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-# --- the host ----------------------------------------------------------------------------------
-
-
-
-
-
-
-
-
-
-
-
-
 def config_entry(results: dict, setup: Setup, skip: set[str] = frozenset()) -> dict:
     """This run's configuration in `results`: the existing entry of the same name, size, steps,
     GPUs and Easel runtime (phases measured now replace its old ones), or a new one. A new one
@@ -135,8 +110,6 @@ def prepare(setup: Setup) -> dict:
     return out
 
 
-
-
 def fingerprint(model: Path) -> str:
     """A cheap identity of the UNet weights (1 MiB at a few offsets): results merged from two runs
     compare images of the same weights only."""
@@ -151,8 +124,6 @@ def fingerprint(model: Path) -> str:
                 f.seek(offset)
                 digest.update(f.read(1 << 20))
     return digest.hexdigest()[:16]
-
-
 
 
 # --- Easel -----------------------------------------------------------------------------------
@@ -202,6 +173,38 @@ def controlnet_breakdown(before: dict, after: dict) -> dict | None:
             "decoder_wait_ms_per_step": 1000 * delta("easel_controlnet_wait_seconds_total") / steps if steps else None,
             "session_misses": delta("easel_controlnet_session_misses_total"),
             "graph_replays": delta("easel_controlnet_graph_replays_total")}
+
+
+def _part_totals(snapshot: dict | None, name: str) -> dict[str, float]:
+    """A labelled family's values by its `part` label."""
+    return {labels.split('part="')[1].split('"')[0]: value for labels, value in ((snapshot or {}).get(name) or {}).items()
+            if 'part="' in labels}
+
+
+def controlnet_ideal(before: dict, after: dict, controlnets: int, breakdown: dict | None) -> dict | None:
+    """Gustafson's ideal for the ControlNets of one request at a time, from the same run's parts
+    (the metrics' deltas over the latency requests): each ControlNet on a GPU of its own runs
+    beside the encoder half, so the ideal step is max(encoder, ControlNet) + decoder + sampler +
+    the step's other orchestration, against a serial step of encoder + k ControlNets + decoder +
+    the same rest. The encoder and decoder halves are GPU time; a ControlNet is the service's
+    compute per call; the step is the denoiser's wall time, in which waiting for residuals is
+    orchestration. `of_ideal` is the ideal step over the actual one (1: at the ideal)."""
+    if not controlnets or not breakdown or not breakdown.get("steps"):
+        return None
+    steps = breakdown["steps"]
+    parts = {k: 1000 * (v - _part_totals(before, "easel_denoiser_step_seconds_sum").get(k, 0.0)) / steps
+             for k, v in _part_totals(after, "easel_denoiser_step_seconds_sum").items()}
+    if not {"encoder", "decoder", "sampler", "orchestration"} <= set(parts):
+        return None
+    wait = breakdown.get("decoder_wait_ms_per_step") or 0.0
+    rest = parts["sampler"] + max(0.0, parts["orchestration"] - wait)
+    cn = breakdown["compute_ms"]
+    actual = sum(parts.values())
+    ideal = max(parts["encoder"], cn) + parts["decoder"] + rest
+    serial = parts["encoder"] + controlnets * cn + parts["decoder"] + rest
+    return {"encoder_ms": parts["encoder"], "decoder_ms": parts["decoder"], "controlnet_ms": cn, "rest_ms": rest,
+            "wait_ms": wait, "step_ms": actual, "ideal_step_ms": ideal, "serial_step_ms": serial,
+            "ideal_speedup": serial / ideal, "speedup": serial / actual, "of_ideal": ideal / actual}
 
 
 def share_compile_cache(repo: Path, shared: Path) -> Path:
@@ -330,6 +333,8 @@ def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> No
                                   for k in sorted({k for s in stages for k in s})}
         rec["metrics"]["after_latency"] = metrics_snapshot(server.metrics_port)
         rec["controlnet_per_call"] = controlnet_breakdown(rec["metrics"]["after_warmup"], rec["metrics"]["after_latency"])
+        rec["controlnet_ideal"] = controlnet_ideal(rec["metrics"]["after_warmup"], rec["metrics"]["after_latency"],
+                                                   setup.controlnets, rec["controlnet_per_call"])
         save()
 
         rec["throughput"] = {}
@@ -402,10 +407,6 @@ def easel_throughput(url: str, c: int, setup: Setup, request: dict) -> dict:
 
 
 # --- diffusers -------------------------------------------------------------------------------
-
-
-
-
 
 
 # --- main ------------------------------------------------------------------------------------

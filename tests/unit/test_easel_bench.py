@@ -176,6 +176,29 @@ def test_controlnet_breakdown_from_metric_deltas():
     assert easel_bench.controlnet_breakdown(snap(2, 0.1, 0.06, 0, 2), snap(2, 0.1, 0.06, 0, 9)) is None
 
 
+def test_controlnet_ideal_from_the_same_runs_parts():
+    def snap(steps, encoder, decoder, sampler, orchestration, calls, compute, wait):
+        parts = {"encoder": encoder, "decoder": decoder, "sampler": sampler, "orchestration": orchestration}
+        return {"easel_controlnet_calls_total": {'model="d0"': calls},
+                "easel_controlnet_call_seconds_total": {'model="d0"': compute * 1.5},
+                "easel_controlnet_compute_seconds_total": {'instance="c0"': compute},
+                "easel_controlnet_wait_seconds_total": {'model="d0"': wait},
+                "easel_denoiser_step_rows_count": {'model="d0"': steps},
+                "easel_denoiser_step_seconds_sum": {f'model="d0",part="{k}"': v for k, v in parts.items()}}
+
+    # 100 steps, per step: encoder 10 ms, decoder 12, sampler 0.5, orchestration 4.5 of which 4 is the
+    # wait for one ControlNet of 14 ms a call.
+    before, after = snap(0, 0, 0, 0, 0, 0, 0, 0), snap(100, 1.0, 1.2, 0.05, 0.45, 100, 1.4, 0.4)
+    b = easel_bench.controlnet_breakdown(before, after)
+    ideal = easel_bench.controlnet_ideal(before, after, 1, b)
+    assert ideal["step_ms"] == pytest.approx(27) and ideal["rest_ms"] == pytest.approx(1)
+    assert ideal["ideal_step_ms"] == pytest.approx(14 + 12 + 1) and ideal["serial_step_ms"] == pytest.approx(37)
+    assert ideal["of_ideal"] == pytest.approx(1.0) and ideal["ideal_speedup"] == pytest.approx(37 / 27)
+    two = easel_bench.controlnet_ideal(before, after, 2, b)  # two on GPUs of their own: the same ideal step
+    assert two["ideal_step_ms"] == pytest.approx(27) and two["serial_step_ms"] == pytest.approx(51)
+    assert easel_bench.controlnet_ideal(before, after, 0, b) is None
+
+
 def test_shared_compile_cache_links_the_compiling_models_and_voids_cold_start(tmp_path):
     repo = tmp_path / "repo"
     for model in ("denoiser_gpu0", "denoiser_gpu2", "controlnet", "text_encoder", "vae_decoder"):
