@@ -37,6 +37,10 @@ CATEGORIES = (
 )
 
 
+# Variant options that set one of inductor's knobs (before its compile, back to the default after).
+INDUCTOR_OPTIONS = {"aggr": "aggressive_fusion", "combo": "combo_kernels", "mm1x1": "conv_1x1_as_mm"}
+
+
 def category(kernel: str) -> str:
     name = kernel.lower()
     for cat, keys in CATEGORIES:
@@ -111,7 +115,9 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=2)
     p.add_argument("--kinds", default="graphs+fused,compiled",
                    help="eager, graphs or compiled, each optionally +cl (channels_last), +fused, +cudnn (attention), "
-                        "+unpacked (no packed attention projections)")
+                        "+unpacked (no packed attention projections), +bench (cudnn.benchmark: convolution algorithms "
+                        "timed, not guessed), and for compiled inductor's " + ", ".join(f"+{k} ({v})" for k, v in
+                                                                                       INDUCTOR_OPTIONS.items()))
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
     start_logging()
@@ -135,6 +141,12 @@ def main() -> None:
         # +cudnn: SDPA may not pick flash or memory-efficient attention, so cuDNN's (Hopper) serves it.
         torch.backends.cuda.enable_flash_sdp("cudnn" not in options)
         torch.backends.cuda.enable_mem_efficient_sdp("cudnn" not in options)
+        torch.backends.cudnn.benchmark = "bench" in options
+        import torch._inductor.config as inductor
+
+        knobs = {INDUCTOR_OPTIONS[o]: getattr(inductor, INDUCTOR_OPTIONS[o]) for o in options if o in INDUCTOR_OPTIONS}
+        for knob in knobs:
+            setattr(inductor, knob, True)
         eager = EagerUNetRuntime(*load_unet_halves(folder, where))
         template = template_batch(eager.weights_module, torch.device("cuda:0"), torch.float16)
         batch = _resized(template, args.rows, latent, latent)
@@ -176,6 +188,8 @@ def main() -> None:
                  ", ".join(f"{c} {ms:.2f} ({100 * ms / total:.0f}%)" for c, ms in by_cat.items()))
         for k, ms in kernels[:12]:
             log.info("    %.3f ms  %s", ms, k)
+        for knob, default in knobs.items():
+            setattr(inductor, knob, default)
         del runtime, eager, enc_fn, dec_fn
         torch.cuda.empty_cache()
         args.out.parent.mkdir(parents=True, exist_ok=True)
