@@ -306,6 +306,29 @@ def test_cfg_parallel_export_makes_one_denoiser_per_gpu_pair(tiny_model, tmp_pat
               "--cfg-parallel", "0:1"])
 
 
+def test_export_writes_the_eight_gpu_headline_placement(tiny_model, tmp_path):
+    """Issue 14's layout, checked without the GPUs: the base model on a latent-parallel pair
+    (GPUs 0 and 1) and one ControlNet instance on each of GPUs 2-7, so that a step's 3 ControlNets x
+    2 rows run as 6 calls at once, one per GPU. Every config.pbtxt's instance groups and GPU ids."""
+    from export.cli import main
+
+    repo = tmp_path / "repo"
+    assert main(["export", "--model", str(tiny_model), "--out", str(repo), "--device", "cuda",
+                 "--cfg-parallel", "0:1", "--controlnet-gpus", "2,3,4,5,6,7", "--controlnet-instances", "1",
+                 "--adapters", str(tiny_model / "adapters")]) == 0
+    parsed = configs(repo)
+    placed = {name: [(model_config_pb2.ModelInstanceGroup.Kind.Name(g.kind), g.count, list(g.gpus))
+                     for g in config.instance_group] for name, config in parsed.items()}
+    assert placed.pop("denoiser_gpu0") == [("KIND_GPU", 1, [0])]
+    assert placed.pop("controlnet") == [("KIND_GPU", 1, [2, 3, 4, 5, 6, 7])]
+    for name in ("text_encoder", "vae_decoder"):
+        assert placed.pop(name) == [("KIND_GPU", 1, [0])]  # beside the pair's first GPU, which takes the text
+    assert all(kind == "KIND_CPU" for groups in placed.values() for kind, _, _ in groups), placed
+    denoiser = DenoiserConfig.from_json(params_of(parsed["denoiser_gpu0"])["denoiser"])
+    assert denoiser.cfg_parallel_device == "cuda:1" and denoiser.controlnet_instances == 6
+    assert params_of(parsed["easel"])["denoisers"] == "denoiser_gpu0"
+
+
 def test_export_json_records_the_options(cuda_repo):
     info = json.loads((cuda_repo / "easel_export.json").read_text())
     assert info["options"]["device"] == "cuda" and info["options"]["gpus"] == [0, 1]
