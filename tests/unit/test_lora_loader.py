@@ -228,3 +228,34 @@ def test_loaders_and_feeders_yield_the_cpu_to_the_step_loop(pool, loras):
     assert len(feeders) >= 2
     assert all(_niceness(f"/proc/self/task/{tid}/stat") == here + LOADER_NICENESS for tid in feeders)
     assert _niceness(f"/proc/self/task/{threading.get_native_id()}/stat") == here  # the caller's thread is not
+
+
+def test_a_plan_names_the_files_tensors_and_reads_them_exactly(loras, tmp_path):
+    """Each demo LoRA (diffusers/PEFT and kohya layouts, with text-encoder layers) is planned from
+    its header alone and read from its file into the very layers load_lora gives; a file changed
+    after its plan fails clearly; one diffusers cannot read gets no plan (load_lora says why)."""
+    from backends.core.adapters.lora import lora_from_plan, plan_lora
+    from backends.core.adapters.shm_tensors import read_tensors
+
+    for name, path in loras.items():
+        plan = plan_lora(name, path)
+        assert plan is not None, name
+        got, want = lora_from_plan(plan, read_tensors(str(path))), load_lora(name, path)
+        assert got.nbytes == want.nbytes and list(got.text_encoders) == list(want.text_encoders)
+        for component in ("unet", *want.text_encoders):
+            assert list(got.layers(component)) == list(want.layers(component))
+            for module, layer in want.layers(component).items():
+                mine = got.layers(component)[module]
+                assert mine.scale == layer.scale and torch.equal(mine.down, layer.down) and torch.equal(mine.up, layer.up)
+    name, path = next(iter(loras.items()))
+    plan = plan_lora(name, path)
+    tensors = read_tensors(str(path))
+    key = next(iter(plan.shapes))
+    tensors[key] = tensors[key][:1]
+    with pytest.raises(InvalidInput, match="changed while it was loading"):
+        lora_from_plan(plan, tensors)
+    broken = tmp_path / "broken.safetensors"
+    broken.write_bytes(path.read_bytes()[:100])
+    assert plan_lora("broken", broken) is None
+    with pytest.raises(InvalidInput, match="cannot be read as a LoRA"):
+        load_lora("broken", broken)

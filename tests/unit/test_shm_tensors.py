@@ -66,3 +66,18 @@ def test_read_to_gpu_in_chunks(tmp_path):
             assert back[key].is_cuda and torch.equal(back[key].cpu(), tensor), key
     back = read_tensors(path, "cuda")  # chunks of its own
     assert all(torch.equal(back[k].cpu(), t) for k, t in tensors.items())
+
+
+def test_a_file_another_writer_left_unaligned_reads_exactly(tmp_path):
+    """A safetensors file from a writer that packs tensors in key order: an fp32 tensor after
+    an odd number of fp16 ones starts off its alignment (LoRA files are read directly)."""
+    half, single = torch.arange(3, dtype=torch.float16), torch.tensor([1.5, -2.25], dtype=torch.float32)
+    header = {"a": {"dtype": "F16", "shape": [3], "data_offsets": [0, 6]},
+              "b": {"dtype": "F32", "shape": [2], "data_offsets": [6, 14]}}
+    encoded = json.dumps(header).encode()
+    encoded += b" " * (-len(encoded) % 8)
+    path = tmp_path / "packed.safetensors"
+    path.write_bytes(struct.pack("<Q", len(encoded)) + encoded + half.numpy().tobytes() + single.numpy().tobytes())
+    back = read_tensors(str(path))
+    assert torch.equal(back["a"], half) and torch.equal(back["b"], single)
+    assert torch.equal(load_file(str(path))["b"], single)  # as the library reads it

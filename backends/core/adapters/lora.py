@@ -63,31 +63,120 @@ def load_lora(name: str, path: str | Path | StoreFile, text_encoders_only: bool 
     `path`: a StoreFile of the adapter store (what the server reads: opened without following
     symlinks), or a plain path (tests, references). `text_encoders_only` reads just the
     text-encoder keys (a file without them gives no layers)."""
-    from diffusers import StableDiffusionXLPipeline
-    from diffusers.utils import convert_unet_state_dict_to_peft
     from safetensors import safe_open
 
-    from backends.core.adapters.store import StoreFile
-
-    opened = path.path() if isinstance(path, StoreFile) else contextlib.nullcontext(str(path))
     try:
-        with opened as file:
+        with opened_lora(path) as file:
             # The tensors are read here, from the file opened above, and handed to diffusers as a
             # dict (never a path it would resolve again). text_encoders_only: only the few MiB of
             # text-encoder tensors come off the disk, not the UNet's hundreds.
             with safe_open(file, framework="pt") as f:
                 keys = [k for k in f.keys() if not text_encoders_only or k.startswith(TEXT_ENCODER_PREFIXES)]
                 source = {k: f.get_tensor(k) for k in keys}
-        if not source:
-            if text_encoders_only:
-                return LoraWeights(name, {}, 0)
-            raise ValueError("the file holds no tensors")
+    except InvalidInput:
+        raise
+    except Exception as exc:
+        raise _unreadable(name, exc) from None
+    if not source and text_encoders_only:
+        return LoraWeights(name, {}, 0)
+    return _convert(name, source, text_encoders_only)
+
+
+# A file's tensors up to this many elements (kohya's alphas are scalars) are read even for a plan.
+PLAN_READS_ELEMENTS = 64
+
+
+@dataclass(frozen=True)
+class LoraPlan:
+    """A LoRA whose conversion only renames the file's tensors: each layer's down and up named by
+    the file key that holds it, so that the file can be read straight onto the GPU."""
+    name: str
+    nbytes: int
+    scales: dict[str, dict[str, float]]  # component ("unet", text encoders) -> module -> alpha / rank
+    sources: dict[str, str]  # "<component>/<module>/down|up" -> the file's key
+    shapes: dict[str, tuple[tuple[int, ...], str]]  # the file's key -> (shape, safetensors dtype)
+
+
+def plan_lora(name: str, path: str | Path | StoreFile) -> LoraPlan | None:
+    """The conversion of `load_lora` run on the file's header alone (its large tensors as meta
+    tensors, shapes without data), or None where it does more than rename them (a cast, a
+    concatenation) or fails: `load_lora` then reads the file and says what is wrong."""
+    from safetensors import safe_open
+
+    from backends.core.adapters.shm_tensors import DTYPES
+
+    try:
+        with opened_lora(path) as file, safe_open(file, framework="pt") as f:
+            source, shapes = {}, {}
+            for key in f.keys():
+                piece = f.get_slice(key)
+                shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
+                shapes[key] = (shape, dtype)
+                numel = 1
+                for d in shape:
+                    numel *= d
+                source[key] = (f.get_tensor(key) if numel <= PLAN_READS_ELEMENTS
+                               else torch.empty(shape, dtype=DTYPES[dtype], device="meta"))
+        keys = {id(tensor): key for key, tensor in source.items()}
+        lora = _convert(name, source)  # (diffusers' converters empty the dict they are given)
+    except Exception:
+        return None
+    sources = {}
+    for component, layers in (("unet", lora.unet), *lora.text_encoders.items()):
+        for module, layer in layers.items():
+            for which, tensor in (("down", layer.down), ("up", layer.up)):
+                if id(tensor) not in keys:  # made by the conversion, not one of the file's tensors
+                    return None
+                sources[f"{component}/{module}/{which}"] = keys[id(tensor)]
+    scales = {component: {module: layer.scale for module, layer in layers.items()}
+              for component, layers in (("unet", lora.unet), *lora.text_encoders.items())}
+    return LoraPlan(name, lora.nbytes, scales, sources, {k: shapes[k] for k in set(sources.values())})
+
+
+def lora_from_plan(plan: LoraPlan, tensors: dict[str, torch.Tensor]) -> LoraWeights:
+    """The planned LoRA from the file's tensors (read by `shm_tensors.read_tensors`), checked
+    against the plan: the file may have been replaced since it was planned."""
+    from backends.core.adapters.shm_tensors import DTYPES
+
+    for key, (shape, dtype) in plan.shapes.items():
+        tensor = tensors.get(key)
+        if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != DTYPES[dtype]:
+            raise InvalidInput("loras", f"{plan.name!r} changed while it was loading; send the request again")
+    parts = {component: {module: LoraLayer(tensors[plan.sources[f"{component}/{module}/down"]],
+                                           tensors[plan.sources[f"{component}/{module}/up"]], scale)
+                         for module, scale in modules.items()}
+             for component, modules in plan.scales.items()}
+    unet = parts.pop("unet", {})
+    return LoraWeights(plan.name, unet, plan.nbytes, text_encoders={k: v for k, v in parts.items() if v})
+
+
+def opened_lora(path: str | Path | StoreFile):
+    """A context giving a path that names the file: for a StoreFile the very file its safe open
+    found (/proc/self/fd/N), else the path itself."""
+    from backends.core.adapters.store import StoreFile
+
+    return path.path() if isinstance(path, StoreFile) else contextlib.nullcontext(str(path))
+
+
+def _unreadable(name: str, exc: Exception) -> InvalidInput:
+    # truncated or foreign files: diffusers or safetensors says what is wrong (paths cut out)
+    return InvalidInput("loras", f"{name!r} cannot be read as a LoRA ({exc.__class__.__name__}: "
+                                 f"{shorten(no_paths(str(exc)))})")
+
+
+def _convert(name: str, source: dict[str, torch.Tensor], text_encoders_only: bool = False) -> LoraWeights:
+    """A file's tensors as layers, through diffusers' converters."""
+    from diffusers import StableDiffusionXLPipeline
+    from diffusers.utils import convert_unet_state_dict_to_peft
+
+    if not source:
+        raise InvalidInput("loras", f"{name!r} cannot be read as a LoRA (ValueError: the file holds no tensors)")
+    try:
         state, alphas = StableDiffusionXLPipeline.lora_state_dict(source)
     except InvalidInput:
         raise
-    except Exception as exc:  # truncated or foreign files: diffusers says what is wrong (paths cut out)
-        raise InvalidInput("loras", f"{name!r} cannot be read as a LoRA ({exc.__class__.__name__}: "
-                                    f"{shorten(no_paths(str(exc)))})") from None
+    except Exception as exc:
+        raise _unreadable(name, exc) from None
     other = sorted({k.split(".", 1)[0] for k in state if k.split(".", 1)[0] not in ("unet", *TEXT_ENCODERS)})
     if other:
         raise InvalidInput("loras", f"{name!r} has layers for {other}, not an SDXL UNet or text encoder")

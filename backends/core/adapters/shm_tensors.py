@@ -1,11 +1,13 @@
-"""Tensors handed from one process to another as one file in shared memory (/dev/shm).
+"""Tensors handed from one process to another as one file in shared memory (/dev/shm), and LoRA
+files read straight onto the GPU.
 
 The file is in the safetensors layout (an 8-byte little-endian header length, a JSON header
 of dtype, shape and byte offsets, then the data), written and read here without the library:
 `safetensors.save_file` serializes everything into memory before writing it (two copies of
 hundreds of MiB), and its readers give one host tensor per key, where a GPU wants one copy of
 the whole data section. Tensors are written largest element size first, so every tensor's
-offset is a multiple of its element size and the reader can view them in one buffer.
+offset is a multiple of its element size and the reader can view them in one buffer. A LoRA file
+is in the same layout, so the reader also reads one whole (backends/core/adapters/lora_loader.py).
 
 Reading for a GPU goes through two small pinned chunks (`Staging`): the file is read into one
 while the other is being copied to the device. Pinned memory is what lets the copy run
@@ -78,13 +80,17 @@ def read_tensors(path: str, device: torch.device | str = "cpu", staging: Staging
         if device.type == "cuda":
             data = torch.empty(size, dtype=torch.uint8, device=device)
             _read_to_device(f, data, staging or Staging(min(CHUNK_BYTES, max(size, 1))))
-        else:  # mapped copy-on-write, read when touched: no copy here, and unlinking the file is fine
-            data = torch.from_file(path, shared=False, size=8 + length + size, dtype=torch.uint8)[8 + length:]
+        else:  # read, not mapped: a file truncated later (one of the adapter store's) cannot fault us
+            data = torch.empty(size, dtype=torch.uint8)
+            _read_into(f, data)
     tensors = {}
     for key, entry in header.items():
         start, end = entry["data_offsets"]
         dtype = DTYPES[entry["dtype"]]
-        tensors[key] = data[start:end].view(dtype).view(entry["shape"])
+        piece = data[start:end]
+        if start % dtype.itemsize:  # a writer that did not align it (ours and safetensors' do)
+            piece = piece.clone()
+        tensors[key] = piece.view(dtype).view(entry["shape"])
     return tensors
 
 
