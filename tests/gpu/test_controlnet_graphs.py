@@ -14,7 +14,7 @@ from backends.core.adapters.controlnet_cache import ControlNetCache
 from backends.core.adapters.controlnet_graphs import ControlNetGraphs
 from backends.core.adapters.store import AdapterStore
 from backends.core.runtime.placement import Placement
-from tests.gpu.test_fast_runtime import TOL, rel_err
+from tests.gpu.test_fast_runtime import COMPILED_TOL, TOL, rel_err
 from tests.unit.test_controlnet_graphs import random_call
 
 pytestmark = pytest.mark.gpu
@@ -47,23 +47,27 @@ def test_graphs_equal_eager_and_follow_scale_shape_and_eviction(tiny_model):
 
 
 def test_compiled_graphs_equal_eager_for_two_controlnets(tiny_model, tmp_path):
-    """Graphs of compiled code: each ControlNet's residuals within fp16 tolerance of its eager
-    ones, with the code compiled once for both (the second is captured, not compiled)."""
+    """Graphs of compiled code: each ControlNet's residuals within the compiled tolerance of its
+    eager ones (inductor fuses and reorders fp16 sums: test_fast_runtime.py's COMPILED_TOL; an
+    SDXL-size ControlNet was 2.0e-3 from eager on an H200, bench/controlnet_micro.py), with the
+    code compiled once for both (the second is captured, not compiled)."""
     from backends.core.runtime.compile_cache import use_compile_cache
 
     use_compile_cache(tmp_path / "compile_cache")
     torch._dynamo.reset()
     cache = ControlNetCache(AdapterStore(tiny_model / "adapters"), Placement("cuda:0", "fp16"), budget_bytes=2**30)
     graphs = ControlNetGraphs(compiled=True)
+    compiled = []  # dynamo's count of graphs it compiled, after each ControlNet
     for name in ("canny", "depth"):
         model = cache.acquire(name)
         for rows, scale, seed in ((2, 0.7, 0), (4, 1.0, 1)):
             call = on_gpu(random_call(model, rows=rows, scale=scale, seed=seed))
             want_down, want_mid = run_controlnet(model, call)
             down, mid = graphs.run(model, call)
-            assert rel_err(mid, want_mid) <= TOL[torch.float16], (name, rows)
-            assert max(rel_err(a, b) for a, b in zip(down, want_down)) <= TOL[torch.float16], (name, rows)
+            assert rel_err(mid, want_mid) <= COMPILED_TOL, (name, rows)
+            assert max(rel_err(a, b) for a, b in zip(down, want_down)) <= COMPILED_TOL, (name, rows)
         cache.release(name)
+        compiled.append(torch._dynamo.utils.counters["stats"]["unique_graphs"])
     assert graphs.captures == 4
-    assert torch._dynamo.utils.counters["stats"]["unique_graphs"] == 1  # rows dynamic, one architecture
+    assert compiled[0] >= 1 and compiled[1] == compiled[0]  # the second ControlNet compiled nothing
     torch._dynamo.reset()
