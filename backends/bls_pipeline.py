@@ -41,7 +41,8 @@ from backends.core.request import contract
 from backends.core.request.adapter_inputs import checked_params
 from backends.core.request.params import Cancelled, InvalidInput, Overloaded
 from backends.core.stages.preview import preview_png
-from backends.denoiser_routing import LeastLoaded, request_work
+from backends.denoiser_routing import LeastLoaded
+from backends.load_board import LoadReader
 from backends.triton_adapter import (MARKS_PARAMETER, ForwardedError, failure, input_array, limits, parameters,
                                      remaining_us, scalar)
 
@@ -87,7 +88,7 @@ class BlsPipeline:
         names = [n.strip() for n in params["denoisers"].split(",") if n.strip()]
         if not names:
             raise ValueError("parameter denoisers names no model")
-        self.router = LeastLoaded(names)  # each denoiser batches what it gets
+        self.router = LeastLoaded(names, LoadReader())  # each denoiser batches what it gets
         self.max_in_flight = int(params.get("max_in_flight", "16"))
         self.jobs: set[Job] = set()
         self.lock = threading.Lock()  # jobs: execute, workers, watcher
@@ -161,8 +162,9 @@ class BlsPipeline:
             raise Cancelled(f"{self.name}: cancelled by the client before denoising")
         checked = checked_params(scalar(params.as_numpy()), self.limits)  # its steps, when it began
         key = uuid.uuid4().hex
-        work = request_work(checked.steps, checked.cfg, checked.width, checked.height)
+        work = checked.work()
         denoiser = self.router.pick(work)
+        admitted = False
         inputs = [params, prompt_embeds, pooled_embeds, control_images, _tensor("cancel_key", key.encode(), np.object_)]
         if job.preview_every is not None:  # asks for a response per step
             inputs.append(_tensor("preview_every", job.preview_every, np.int32))
@@ -174,6 +176,8 @@ class BlsPipeline:
             # exec returns at the denoiser's first response: for a keyed request, an empty one once
             # it is admitted, so a cancel sent from now on finds it (contract.DENOISER).
             responses = request.exec(decoupled=True)
+            self.router.admitted(denoiser, work)
+            admitted = True
             job.denoising = (denoiser, key)
             for response in responses:
                 if response.has_error():
@@ -187,7 +191,7 @@ class BlsPipeline:
                     self._progress(job, checked.steps, outputs)
         finally:
             job.denoising = None
-            self.router.release(denoiser, work)
+            self.router.release(denoiser, work, admitted)
         if final is None:
             raise RuntimeError("the denoiser finished without a result")
         return final["latents"], final["params"]

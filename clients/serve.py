@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from backends.load_board import PREFIX as LOAD_BOARD_PREFIX
 from clients import procs
 from clients.triton_install import assemble_backend_dir, find_triton, project_root, required_backends, server_env
 
@@ -365,6 +366,8 @@ class TritonServer:
             removed = procs.remove_regions(self.region_prefix)
             if removed:
                 log.info("removed %d shared-memory regions the server left", len(removed))
+        # and the denoisers' load board (backends/load_board.py), named by the server's pid
+        procs.remove_regions(f"{LOAD_BOARD_PREFIX}{self.proc.pid}-")
 
     def dead_stubs(self) -> dict[int, str]:
         """Stubs seen at readiness that are gone now (killed, crashed): pid -> instance."""

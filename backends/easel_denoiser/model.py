@@ -30,6 +30,7 @@ import triton_python_backend_utils as pb_utils  # noqa: E402
 from backends.bls_controlnets import BlsControlNets  # noqa: E402
 from backends.denoiser_metrics import ControlNetCallMetrics, LoraMetrics, RequestMetrics, RuntimeMetrics  # noqa: E402
 from backends.denoiser_metrics import StepMetrics  # noqa: E402
+from backends.load_board import LoadWriter  # noqa: E402
 from backends.core.adapters.controlnet import ControlInput  # noqa: E402
 from backends.core.engine.builder import build_denoiser  # noqa: E402
 from backends.core.engine.config import DenoiserConfig  # noqa: E402
@@ -86,8 +87,11 @@ class TritonPythonModel:
             decl = controlnet_decl(num_skips(engine.unet), WIRE_DTYPES[where.dtype])
             return BlsControlNets(config.controlnet_model, decl, store, instances=config.controlnet_instances)
 
+        # Its outstanding work, for the public models' routers (backends/load_board.py).
+        self.load_board = LoadWriter(self.name)
         self.denoiser = build_denoiser(config, artifact_folder(args), where, self.outbox.put,
-                                       store_folder=store_folder, controlnets=controlnets)
+                                       store_folder=store_folder, controlnets=controlnets,
+                                       publish_load=self.load_board.publish)
         self.lora_loads: dict[str, tuple[int, float, int]] = {}  # request id -> (count, seconds, bytes)
         engine = self.denoiser.engine
         self.metrics = LoraMetrics(args, engine.lora_merger)
@@ -221,8 +225,9 @@ class TritonPythonModel:
 
     def finalize(self):
         # Fixed order: LoRA loaders, the loop (failing what is left), the ControlNet provider,
-        # then the sender drains what the loop handed it.
+        # the load board, then the sender drains what the loop handed it.
         self.denoiser.shutdown()
+        self.load_board.close()
         self.outbox.put(None)
         self.sender.join(timeout=30)
         self.step_metrics.stop()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from backends.load_board import PREFIX as LOAD_BOARD_PREFIX
 from clients import procs
 from clients.client import EaselClient, EaselError
 from clients.serve import free_port, scrape_metrics
@@ -186,6 +187,8 @@ def test_dead_stub_fails_in_flight_then_recovers(serving):
     logged = serving.wait_for(r"recovered: tritonserver ready again ([\d.]+) s", 30, after=mark)
     assert serving.triton_pid() != triton
     assert not list(procs.SHM_DIR.glob(f"{prefix}*"))  # the killed server's regions are gone
+    assert not list(procs.SHM_DIR.glob(f"{LOAD_BOARD_PREFIX}{triton}-*"))  # and its denoisers' load board
+    assert list(procs.SHM_DIR.glob(f"{LOAD_BOARD_PREFIX}{serving.triton_pid()}-*"))  # the new one's is there
     with EaselClient(serving.url_grpc, protocol="grpc") as c:
         assert c.generate("after the crash", width=64, height=64, steps=2, seed=2).image
     print(f"\nin-flight request failed {failed_after:.1f} s after the kill; ready again after "

@@ -1,28 +1,42 @@
 """`easel` sends each request to the denoiser with the least outstanding work
 (backends/denoiser_routing.py), on the two-denoiser server of conftest: while one denoiser runs a
 long request, short ones go to the other (a round robin would send every second one to the busy
-denoiser, where it would wait on or slow the long one)."""
+denoiser, where it would wait on or slow the long one), also when the long one came through the
+other public model, `easel_stream`, whose requests only the denoisers' load board shows."""
 
 from __future__ import annotations
 
 import threading
 import time
 
-from clients.client import EaselClient
+import pytest
+
+from clients.client import EaselClient, GenerateRequest, GenerateResult
 from tests.server.conftest import metric_values
 
 STEPS = "easel_denoiser_step_rows_count"
 
 
-def test_short_requests_go_around_a_denoiser_busy_with_a_long_one(shared):
+def run_long_unary(url: str) -> GenerateResult:
+    with EaselClient(url, protocol="grpc") as c:
+        return c.generate("a long one", seed=1, steps=50, width=256, height=256, timeout_s=300)
+
+
+def run_long_streamed(url: str) -> GenerateResult:
+    with EaselClient(url, protocol="grpc") as c:
+        *_, result = c.stream(GenerateRequest("a long one", seed=1, steps=50, width=256, height=256), timeout_s=300)
+        return result
+
+
+@pytest.mark.parametrize("run_long", [run_long_unary, run_long_streamed], ids=["unary", "streamed"])
+def test_short_requests_go_around_a_denoiser_busy_with_a_long_one(shared, run_long):
     before = metric_values(shared, STEPS)
     long: dict = {}
 
-    def run_long():
-        with EaselClient(shared.url_grpc, protocol="grpc") as c:
-            long["result"] = c.generate("a long one", seed=1, steps=50, width=256, height=256, timeout_s=300)
+    def long_one():
+        long["result"] = run_long(shared.url_grpc)
 
-    thread = threading.Thread(target=run_long, daemon=True)
+    thread = threading.Thread(target=long_one, daemon=True)
     thread.start()
     deadline = time.monotonic() + 60
     while True:  # until the long request's denoiser has run steps (the histogram flushes every 0.5 s)

@@ -237,3 +237,24 @@ def test_lora_given_up_front_that_does_not_fit_is_refused_alone(engines, tiny_mo
     bad_job.loras, module, _ = misfit(loras)
     bad_out, good_out = run(engine, [bad_job, job(encoder, "good")])
     assert f"layer {module} is" in bad_out.error and good_out.error is None
+
+
+def test_the_loop_publishes_the_work_it_holds(engines):
+    """What the routers read (backends/load_board.py): the submitted requests' work at once, then
+    less at every step (steps left x rows x pixels), and 0 when they are done."""
+    engine, encoder = engines
+    published: list[float] = []
+    results = Results()
+    loop = DenoiseLoop(engine, results, publish_load=published.append)
+    jobs = [job(encoder, "a", steps=6), job(encoder, "b", steps=4, size=128)]
+    for j in jobs:  # before the loop starts: only the submissions are counted
+        loop.submit(j)
+    total = sum(j.params.work() for j in jobs)
+    assert published == [jobs[0].params.work(), total]
+    loop.start()
+    results.wait(["a", "b"])
+    loop.shutdown()
+    assert published[-1] == 0.0 and max(published) == pytest.approx(total)
+    steps_done = [total - w for w in published[2:]]
+    assert steps_done == sorted(steps_done)  # never more work than before: it only goes down
+    assert len(set(published)) > 4  # every step told

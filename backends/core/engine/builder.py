@@ -107,8 +107,10 @@ def _runtime(folder: Path, placement: Placement, config: RuntimeConfig) -> UNetR
 
 def build_denoiser(config: DenoiserConfig, folder: str | Path, placement: Placement,
                    on_done: Callable[[DenoiseResult], None], store_folder: Path | None = None,
-                   controlnets: Callable[[TorchDenoiser, AdapterStore | None], object] | None = None) -> Denoiser:
-    """`controlnets(engine, store)` makes the ControlNet provider (the adapter's BLS client), if any."""
+                   controlnets: Callable[[TorchDenoiser, AdapterStore | None], object] | None = None,
+                   publish_load: Callable[[float], None] | None = None) -> Denoiser:
+    """`controlnets(engine, store)` makes the ControlNet provider (the adapter's BLS client), if any;
+    `publish_load(work)` is told the loop's outstanding work whenever it changes (routing)."""
     folder = Path(folder)
     runtime = build_runtime(folder, placement, config.runtime, config.cfg_parallel_device)
     engine = TorchDenoiser(folder, placement, controlnet_mode=config.controlnet_mode, runtime=runtime)
@@ -124,7 +126,7 @@ def build_denoiser(config: DenoiserConfig, folder: str | Path, placement: Placem
     bounds_file = folder / BOUNDS_FILE
     bounds = json.loads(bounds_file.read_text()) if bounds_file.exists() else {}
     loop = DenoiseLoop(engine, on_done, SchedulerConfig(max_running=config.max_running,
-                                                        max_batch_rows=config.max_batch_rows))
+                                                        max_batch_rows=config.max_batch_rows), publish_load)
     return Denoiser(config, engine, loop, store, loader, bounds, warmup_s)
 
 

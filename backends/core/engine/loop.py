@@ -61,9 +61,15 @@ def failure_kind(exc: BaseException) -> str:
 
 class DenoiseLoop:
     def __init__(self, engine: TorchDenoiser, on_done: Callable[[DenoiseResult], None],
-                 config: SchedulerConfig = SchedulerConfig()):
+                 config: SchedulerConfig = SchedulerConfig(), publish_load: Callable[[float], None] | None = None):
         self.engine = engine
         self.on_done = on_done
+        # The work still to do (GenerateParams.work of the steps left) of the requests submitted and
+        # not yet taken, and of those taken: published for the routers (backends/load_board.py).
+        self.publish_load = publish_load
+        self._inbox_work = 0.0
+        self._held_work = 0.0
+        self._work_lock = threading.Lock()
         self.scheduler = StepScheduler(config)
         self.states: dict[str, RequestState] = {}
         self.stats = LoopStats()  # queue, running, step records: read by the adapter's metrics thread
@@ -76,6 +82,7 @@ class DenoiseLoop:
 
     def submit(self, job: DenoiseJob) -> None:
         self.stats.submitted += 1
+        self._add_inbox_work(job.params.work())
         self._inbox.put(job)
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -129,9 +136,28 @@ class DenoiseLoop:
             self._abort(rid, Status.FAILED, "the denoiser is shutting down")
         self._count()
 
-    def _count(self) -> None:
+    def _count(self, taken: float = 0.0) -> None:
+        """`taken`: the work of a job just taken from the inbox (admitted, or failed at admission)."""
         self.stats.waiting = len(self.scheduler.waiting)
         self.stats.running = len(self.scheduler.running)
+        if self.publish_load is not None:
+            held = sum(s.job.params.work(len(s.timesteps) - s.index) for s in self.states.values())
+            with self._work_lock:  # one value: the job leaves the inbox's count as it joins the held
+                self._inbox_work = max(0.0, self._inbox_work - taken)  # sums of floats need not return to 0
+                self._held_work = held
+                self._publish()
+
+    def _add_inbox_work(self, work: float) -> None:
+        if self.publish_load is not None:
+            with self._work_lock:
+                self._inbox_work += work
+                self._publish()
+
+    def _publish(self) -> None:
+        try:
+            self.publish_load(self._inbox_work + self._held_work)
+        except Exception:  # routing information: never worth a request
+            log.exception("publishing the denoiser's load failed")
 
     def _report_steps(self, batch: list[RequestState], output: StepOutput) -> None:
         """Progress of the requests that asked for it (easel_stream): an enqueue each, and on a
@@ -159,6 +185,7 @@ class DenoiseLoop:
             if job is not _WAKE:
                 self._admit(job)
                 self.stats.taken += 1
+                self._count(taken=job.params.work())
 
     def _admit(self, job: DenoiseJob) -> None:
         try:

@@ -139,6 +139,11 @@ class GenerateParams:
         """Classifier-free guidance, on exactly when diffusers turns it on (guidance_scale > 1)."""
         return self.guidance_scale > 1.0
 
+    def work(self, steps: int | None = None) -> float:
+        """Denoising work of `steps` (default: all) of this request, in 1024x1024 row-steps: the
+        cost a step grows with (rows: 2 with guidance). What requests are routed by."""
+        return (self.steps if steps is None else steps) * (2 if self.cfg else 1) * self.width * self.height / 2**20
+
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()
 
