@@ -239,7 +239,7 @@ def test_a_plan_names_the_files_tensors_and_reads_them_exactly(loras, tmp_path):
 
     for name, path in loras.items():
         plan = plan_lora(name, path)
-        assert plan is not None, name
+        assert plan is not None and plan.file_bytes == path.stat().st_size, name
         got, want = lora_from_plan(plan, read_tensors(str(path))), load_lora(name, path)
         assert got.nbytes == want.nbytes and list(got.text_encoders) == list(want.text_encoders)
         for component in ("unet", *want.text_encoders):

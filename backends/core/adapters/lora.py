@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import os
 import threading
 import time
 from collections.abc import Sequence
@@ -95,6 +96,7 @@ class LoraPlan:
     scales: dict[str, dict[str, float]]  # component ("unet", text encoders) -> module -> alpha / rank
     sources: dict[str, str]  # "<component>/<module>/down|up" -> the file's key
     shapes: dict[str, tuple[tuple[int, ...], str]]  # the file's key -> (shape, safetensors dtype)
+    file_bytes: int  # the file's size when it was planned
 
 
 def plan_lora(name: str, path: str | Path | StoreFile) -> LoraPlan | None:
@@ -107,6 +109,7 @@ def plan_lora(name: str, path: str | Path | StoreFile) -> LoraPlan | None:
 
     try:
         with opened_lora(path) as file, safe_open(file, framework="pt") as f:
+            file_bytes = os.stat(file).st_size
             source, shapes = {}, {}
             for key in f.keys():
                 piece = f.get_slice(key)
@@ -130,7 +133,7 @@ def plan_lora(name: str, path: str | Path | StoreFile) -> LoraPlan | None:
                 sources[f"{component}/{module}/{which}"] = keys[id(tensor)]
     scales = {component: {module: layer.scale for module, layer in layers.items()}
               for component, layers in (("unet", lora.unet), *lora.text_encoders.items())}
-    return LoraPlan(name, lora.nbytes, scales, sources, {k: shapes[k] for k in set(sources.values())})
+    return LoraPlan(name, lora.nbytes, scales, sources, {k: shapes[k] for k in set(sources.values())}, file_bytes)
 
 
 def lora_from_plan(plan: LoraPlan, tensors: dict[str, torch.Tensor]) -> LoraWeights:

@@ -325,6 +325,8 @@ class LoraLoaderPool:
         through the store, following no symlink)."""
         try:
             with opened_lora(task.path) as file:
+                if os.stat(file).st_size != plan.file_bytes:
+                    raise InvalidInput("loras", f"{task.name!r} changed while it was loading; send the request again")
                 tensors = self._read(slot, file)
         except InvalidInput:
             raise

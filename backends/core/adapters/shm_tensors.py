@@ -31,6 +31,7 @@ DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF1
           "BOOL": torch.bool}
 NAMES = {dtype: name for name, dtype in DTYPES.items()}
 CHUNK_BYTES = 32 << 20
+MAX_HEADER_BYTES = 100_000_000  # safetensors' own limit
 
 
 def write_tensors(path: str, tensors: dict[str, torch.Tensor]) -> int:
@@ -71,6 +72,8 @@ def read_tensors(path: str, device: torch.device | str = "cpu", staging: Staging
     device = torch.device(device)
     with open(path, "rb", buffering=0) as f:
         (length,) = struct.unpack("<Q", _read_exactly(f, 8))
+        if length > MAX_HEADER_BYTES:
+            raise ValueError(f"{path}: a header of {length} bytes, over the {MAX_HEADER_BYTES} safetensors allows")
         header = json.loads(_read_exactly(f, length))
         size = os.fstat(f.fileno()).st_size - 8 - length
         header.pop("__metadata__", None)
