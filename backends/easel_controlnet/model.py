@@ -101,7 +101,8 @@ class TritonPythonModel:
                                      budget_bytes=int(params["cache_bytes"]))
         # On a fast runtime each resident ControlNet runs as CUDA graphs, one per call shape, over
         # compiled code if the UNet's runtime is `compiled`.
-        runtime = params.get("runtime", "eager")
+        # (a repository exported before `runtime` has `graphs`: true meant CUDA graphs)
+        runtime = params.get("runtime") or ("graphs" if params.get("graphs") == "true" else "eager")
         self.graphs = None
         if runtime != "eager" and self.device.type == "cuda":
             if runtime == "compiled":
