@@ -28,9 +28,22 @@ def run_long_streamed(url: str) -> GenerateResult:
         return result
 
 
+def settled_steps(server, period_s: float = 0.6, timeout_s: float = 30.0) -> dict:
+    """The step counts once they stop moving: the denoisers flush their histograms every 0.5 s, so
+    an earlier test's last steps may still arrive (and would look like this test's long request)."""
+    last, deadline = metric_values(server, STEPS), time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        time.sleep(period_s)
+        now = metric_values(server, STEPS)
+        if now == last:
+            return now
+        last = now
+    raise AssertionError("the denoisers' step counts never settled")
+
+
 @pytest.mark.parametrize("run_long", [run_long_unary, run_long_streamed], ids=["unary", "streamed"])
 def test_short_requests_go_around_a_denoiser_busy_with_a_long_one(shared, run_long):
-    before = metric_values(shared, STEPS)
+    before = settled_steps(shared)
     long: dict = {}
 
     def long_one():
