@@ -16,10 +16,11 @@ without following symlinks, as the server's other /dev/shm files.
 
 from __future__ import annotations
 
-import glob
 import os
 import struct
 import threading
+
+from backends.core.shm_files import remove_orphans, unlink
 
 BOARD_DIR = "/dev/shm"
 PREFIX = "easel-load-"
@@ -34,7 +35,7 @@ class LoadWriter:
     """A denoiser's side: publish(work) from any thread."""
 
     def __init__(self, denoiser: str, folder: str = BOARD_DIR, server_pid: int | None = None):
-        _remove_orphans(folder)
+        remove_orphans(folder, PREFIX)
         self.path = board_path(denoiser, folder, server_pid)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
         self._lock = threading.Lock()
@@ -52,10 +53,7 @@ class LoadWriter:
             if self._fd >= 0:
                 os.close(self._fd)
                 self._fd = -1
-        try:
-            os.unlink(self.path)
-        except FileNotFoundError:
-            pass
+        unlink(self.path)
 
 
 class LoadReader:
@@ -81,13 +79,3 @@ class LoadReader:
             return None
         finally:
             os.close(fd)
-
-
-def _remove_orphans(folder: str) -> None:
-    for path in glob.glob(os.path.join(folder, f"{PREFIX}*")):
-        pid = os.path.basename(path)[len(PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            try:
-                os.unlink(path)
-            except FileNotFoundError:
-                pass

@@ -192,7 +192,8 @@ def controlnet_ideal(before: dict, after: dict, controlnets: int, breakdown: dic
     if not controlnets or not breakdown or not breakdown.get("steps"):
         return None
     steps = breakdown["steps"]
-    parts = {k: 1000 * (v - _part_totals(before, "easel_denoiser_step_seconds_sum").get(k, 0.0)) / steps
+    start = _part_totals(before, "easel_denoiser_step_seconds_sum")
+    parts = {k: 1000 * (v - start.get(k, 0.0)) / steps
              for k, v in _part_totals(after, "easel_denoiser_step_seconds_sum").items()}
     if not {"encoder", "decoder", "sampler", "orchestration"} <= set(parts):
         return None

@@ -145,6 +145,17 @@ def _text_config(vocab: dict[str, int], pad_token: str, **kw):
     )
 
 
+def unet_kwargs(variant: str) -> dict:
+    """The UNet2DConditionModel arguments of a variant (SDXL's layout: text-time embedding, linear
+    projections, the two text encoders' widths)."""
+    cfg = _CONFIGS[variant]
+    u = cfg["unet"]
+    return dict(in_channels=4, out_channels=4, use_linear_projection=True, addition_embed_type="text_time",
+                cross_attention_dim=cfg["te1"]["hidden_size"] + cfg["te2"]["hidden_size"],
+                projection_class_embeddings_input_dim=6 * u["addition_time_embed_dim"] + cfg["te2"]["projection_dim"],
+                **u)
+
+
 def write_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0, variant: str = "default",
                         device: str = "cpu", dtype: str = "fp32") -> pathlib.Path:
     """Write a tiny random SDXL pipeline (diffusers layout, safetensors) to ``out_dir``.
@@ -175,14 +186,8 @@ def write_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0, variant: str 
         text_encoder = CLIPTextModel(_text_config(vocab, tokenizer.pad_token, **cfg["te1"])).eval()
         torch.manual_seed(seed * 16 + 1)
         text_encoder_2 = CLIPTextModelWithProjection(_text_config(vocab, tokenizer_2.pad_token, **cfg["te2"])).eval()
-        u = cfg["unet"]
         torch.manual_seed(seed * 16 + 2)
-        unet = UNet2DConditionModel(
-            in_channels=4, out_channels=4, use_linear_projection=True, addition_embed_type="text_time",
-            cross_attention_dim=cfg["te1"]["hidden_size"] + cfg["te2"]["hidden_size"],
-            projection_class_embeddings_input_dim=6 * u["addition_time_embed_dim"] + cfg["te2"]["projection_dim"],
-            **u,
-        ).eval()
+        unet = UNet2DConditionModel(**unet_kwargs(variant)).eval()
         v = cfg["vae"]
         n = len(v["block_out_channels"])
         torch.manual_seed(seed * 16 + 3)

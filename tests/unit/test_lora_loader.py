@@ -234,13 +234,13 @@ def test_a_plan_names_the_files_tensors_and_reads_them_exactly(loras, tmp_path):
     """Each demo LoRA (diffusers/PEFT and kohya layouts, with text-encoder layers) is planned from
     its header alone and read from its file into the very layers load_lora gives; a file changed
     after its plan fails clearly; one diffusers cannot read gets no plan (load_lora says why)."""
-    from backends.core.adapters.lora import lora_from_plan, plan_lora
+    from backends.core.adapters.lora import plan_lora, read_planned
     from backends.core.adapters.shm_tensors import read_tensors
 
     for name, path in loras.items():
         plan = plan_lora(name, path)
         assert plan is not None and plan.file_bytes == path.stat().st_size, name
-        got, want = lora_from_plan(plan, read_tensors(str(path))), load_lora(name, path)
+        got, want = read_planned(plan, path, read_tensors), load_lora(name, path)
         assert got.nbytes == want.nbytes and list(got.text_encoders) == list(want.text_encoders)
         for component in ("unet", *want.text_encoders):
             assert list(got.layers(component)) == list(want.layers(component))
@@ -249,11 +249,18 @@ def test_a_plan_names_the_files_tensors_and_reads_them_exactly(loras, tmp_path):
                 assert mine.scale == layer.scale and torch.equal(mine.down, layer.down) and torch.equal(mine.up, layer.up)
     name, path = next(iter(loras.items()))
     plan = plan_lora(name, path)
-    tensors = read_tensors(str(path))
     key = next(iter(plan.shapes))
-    tensors[key] = tensors[key][:1]
+
+    def rewritten(file):  # a tensor of another shape under the same key
+        tensors = read_tensors(file)
+        return {**tensors, key: tensors[key][:1]}
+
     with pytest.raises(InvalidInput, match="changed while it was loading"):
-        lora_from_plan(plan, tensors)
+        read_planned(plan, path, rewritten)
+    grown = tmp_path / "grown.safetensors"
+    grown.write_bytes(path.read_bytes() + b"\0" * 8)  # another size than the planned file's
+    with pytest.raises(InvalidInput, match="changed while it was loading"):
+        read_planned(plan, grown, read_tensors)
     broken = tmp_path / "broken.safetensors"
     broken.write_bytes(path.read_bytes()[:100])
     assert plan_lora("broken", broken) is None

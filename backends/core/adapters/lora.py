@@ -13,10 +13,11 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import math
 import os
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -24,6 +25,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from backends.core.adapters.shm_tensors import DTYPES
 from backends.core.request.params import InvalidInput, no_paths, shorten
 
 BOUNDS_FILE = "lora_bounds.json"  # per-LoRA bound K, written by `easel profile-lora` beside the UNet
@@ -67,7 +69,7 @@ def load_lora(name: str, path: str | Path | StoreFile, text_encoders_only: bool 
     from safetensors import safe_open
 
     try:
-        with opened_lora(path) as file:
+        with _opened(path) as file:
             # The tensors are read here, from the file opened above, and handed to diffusers as a
             # dict (never a path it would resolve again). text_encoders_only: only the few MiB of
             # text-encoder tensors come off the disk, not the UNet's hundreds.
@@ -105,46 +107,52 @@ def plan_lora(name: str, path: str | Path | StoreFile) -> LoraPlan | None:
     concatenation) or fails: `load_lora` then reads the file and says what is wrong."""
     from safetensors import safe_open
 
-    from backends.core.adapters.shm_tensors import DTYPES
-
     try:
-        with opened_lora(path) as file, safe_open(file, framework="pt") as f:
+        with _opened(path) as file, safe_open(file, framework="pt") as f:
             file_bytes = os.stat(file).st_size
             source, shapes = {}, {}
             for key in f.keys():
                 piece = f.get_slice(key)
                 shape, dtype = tuple(piece.get_shape()), piece.get_dtype()
                 shapes[key] = (shape, dtype)
-                numel = 1
-                for d in shape:
-                    numel *= d
-                source[key] = (f.get_tensor(key) if numel <= PLAN_READS_ELEMENTS
+                source[key] = (f.get_tensor(key) if math.prod(shape) <= PLAN_READS_ELEMENTS
                                else torch.empty(shape, dtype=DTYPES[dtype], device="meta"))
         keys = {id(tensor): key for key, tensor in source.items()}
         lora = _convert(name, source)  # (diffusers' converters empty the dict they are given)
     except Exception:
         return None
-    sources = {}
+    sources, scales = {}, {}
     for component, layers in (("unet", lora.unet), *lora.text_encoders.items()):
+        scales[component] = {module: layer.scale for module, layer in layers.items()}
         for module, layer in layers.items():
             for which, tensor in (("down", layer.down), ("up", layer.up)):
                 if id(tensor) not in keys:  # made by the conversion, not one of the file's tensors
                     return None
                 sources[f"{component}/{module}/{which}"] = keys[id(tensor)]
-    scales = {component: {module: layer.scale for module, layer in layers.items()}
-              for component, layers in (("unet", lora.unet), *lora.text_encoders.items())}
     return LoraPlan(name, lora.nbytes, scales, sources, {k: shapes[k] for k in set(sources.values())}, file_bytes)
 
 
-def lora_from_plan(plan: LoraPlan, tensors: dict[str, torch.Tensor]) -> LoraWeights:
-    """The planned LoRA from the file's tensors (read by `shm_tensors.read_tensors`), checked
-    against the plan: the file may have been replaced since it was planned."""
-    from backends.core.adapters.shm_tensors import DTYPES
+def read_planned(plan: LoraPlan, path: str | Path | StoreFile,
+                 read: Callable[[str], dict[str, torch.Tensor]]) -> LoraWeights:
+    """The planned LoRA from its file, `read(path)` giving the file's tensors (shm_tensors'
+    read_tensors, onto a device or not), checked against the plan: the file may have been
+    replaced since it was planned."""
+    def changed() -> InvalidInput:
+        return InvalidInput("loras", f"{plan.name!r} changed while it was loading; send the request again")
 
+    try:
+        with _opened(path) as file:
+            if os.stat(file).st_size != plan.file_bytes:
+                raise changed()
+            tensors = read(file)
+    except InvalidInput:
+        raise
+    except Exception as exc:  # truncated or rewritten since the plan
+        raise _unreadable(plan.name, exc) from None
     for key, (shape, dtype) in plan.shapes.items():
         tensor = tensors.get(key)
         if tensor is None or tuple(tensor.shape) != shape or tensor.dtype != DTYPES[dtype]:
-            raise InvalidInput("loras", f"{plan.name!r} changed while it was loading; send the request again")
+            raise changed()
     parts = {component: {module: LoraLayer(tensors[plan.sources[f"{component}/{module}/down"]],
                                            tensors[plan.sources[f"{component}/{module}/up"]], scale)
                          for module, scale in modules.items()}
@@ -153,7 +161,7 @@ def lora_from_plan(plan: LoraPlan, tensors: dict[str, torch.Tensor]) -> LoraWeig
     return LoraWeights(plan.name, unet, plan.nbytes, text_encoders={k: v for k, v in parts.items() if v})
 
 
-def opened_lora(path: str | Path | StoreFile):
+def _opened(path: str | Path | StoreFile):
     """A context giving a path that names the file: for a StoreFile the very file its safe open
     found (/proc/self/fd/N), else the path itself."""
     from backends.core.adapters.store import StoreFile

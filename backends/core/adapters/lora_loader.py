@@ -41,10 +41,11 @@ from typing import Callable
 
 import torch
 
-from backends.core.adapters.lora import LoraLayer, LoraPlan, LoraWeights, load_lora, lora_from_plan, opened_lora, plan_lora
+from backends.core.adapters.lora import LoraLayer, LoraPlan, LoraWeights, load_lora, plan_lora, read_planned
 from backends.core.adapters.store import StoreFile
 from backends.core.request.params import InvalidInput, UnknownAdapter, no_paths, shorten
 from backends.core.adapters.shm_tensors import Staging, read_tensors, write_tensors
+from backends.core.shm_files import remove_orphans, unlink
 
 log = logging.getLogger(__name__)
 
@@ -128,7 +129,7 @@ class LoraLoaderPool:
         self.shm_dir = shm_dir
         self.device = torch.device(device)
         self.prefix = f"{SEGMENT_PREFIX}{os.getpid()}-{uuid.uuid4().hex[:8]}-"
-        _remove_orphans(shm_dir)
+        remove_orphans(shm_dir, SEGMENT_PREFIX)  # of a denoiser process killed mid-load
         # spawn, never fork: forking the denoiser would copy its threads' locks mid-state (torch,
         # Triton's stub); a spawned worker starts clean and imports only what loading needs.
         self._ctx = multiprocessing.get_context("spawn")
@@ -272,7 +273,7 @@ class LoraLoaderPool:
         try:
             lora = self._exchange(slot, worker, task, segment)
         finally:
-            _unlink(segment)  # read already, or never written
+            unlink(segment)  # read already, or never written
         return lora, time.perf_counter() - start
 
     def _exchange(self, slot: int, worker: _Worker, task: _Task, segment: str) -> LoraWeights:
@@ -301,7 +302,8 @@ class LoraLoaderPool:
                                  f"(exit code {code}); try again") from None
         kind, *body = reply
         if kind == "plan":
-            return self._read_planned(slot, task, LoraPlan(**body[0]))
+            # the parent reads the file itself, opened as the worker opened it (through the store)
+            return read_planned(LoraPlan(**body[0]), task.path, lambda file: self._read(slot, file))
         if kind == "invalid":
             raise InvalidInput(*body)
         if kind == "not_found":
@@ -319,21 +321,6 @@ class LoraLoaderPool:
             with torch.cuda.stream(self._streams[slot]):
                 return read_tensors(path, self.device, self._staging[slot])
         return read_tensors(path)
-
-    def _read_planned(self, slot: int, task: _Task, plan: LoraPlan) -> LoraWeights:
-        """A LoRA the worker planned, read from its file here (opened as the worker opened it:
-        through the store, following no symlink)."""
-        try:
-            with opened_lora(task.path) as file:
-                if os.stat(file).st_size != plan.file_bytes:
-                    raise InvalidInput("loras", f"{task.name!r} changed while it was loading; send the request again")
-                tensors = self._read(slot, file)
-        except InvalidInput:
-            raise
-        except Exception as exc:  # changed under us (truncated, rewritten): what the worker saw is gone
-            raise InvalidInput("loras", f"{task.name!r} cannot be read as a LoRA ({exc.__class__.__name__}: "
-                                        f"{shorten(no_paths(str(exc)))})") from None
-        return lora_from_plan(plan, tensors)
 
     def _read_segment(self, slot: int, segment: str, meta: dict) -> LoraWeights:
         """The worker's tensors from its segment (the caller unlinks it right after)."""
@@ -354,27 +341,12 @@ class LoraLoaderPool:
 
     def _remove_segments(self, pattern: str) -> None:
         for path in glob.glob(os.path.join(self.shm_dir, pattern)):
-            _unlink(path)
+            unlink(path)
 
 
 def _exit_code(worker: _Worker) -> int | None:
     worker.process.join(5)
     return worker.process.exitcode
-
-
-def _unlink(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
-def _remove_orphans(shm_dir: str) -> None:
-    """Segments of a denoiser process that no longer exists (it was killed mid-load)."""
-    for path in glob.glob(os.path.join(shm_dir, f"{SEGMENT_PREFIX}*")):
-        pid = os.path.basename(path)[len(SEGMENT_PREFIX):].split("-", 1)[0]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
-            _unlink(path)
 
 
 # -- the worker process -----------------------------------------------------------------------
@@ -443,14 +415,14 @@ def _worker_main(conn, load) -> None:
                                 "layers": {component: {module: layer.scale for module, layer in layers.items()}
                                            for component, layers in parts.items()}})
         except InvalidInput as exc:
-            _unlink(segment)
+            unlink(segment)
             reply = ("not_found" if isinstance(exc, UnknownAdapter) else "invalid", exc.field,
                      str(exc)[len(exc.field) + 2:])
         except Exception as exc:
-            _unlink(segment)
+            unlink(segment)
             reply = ("error", f"{exc.__class__.__name__}: {exc}")
         try:
             conn.send(reply)
         except OSError:  # the parent is gone: nobody will read or remove the segment
-            _unlink(segment)
+            unlink(segment)
             return
