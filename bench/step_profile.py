@@ -38,7 +38,8 @@ CATEGORIES = (
 
 
 # Variant options that set one of inductor's knobs (before its compile, back to the default after).
-INDUCTOR_OPTIONS = {"aggr": "aggressive_fusion", "combo": "combo_kernels", "mm1x1": "conv_1x1_as_mm"}
+INDUCTOR_OPTIONS = {"aggr": "aggressive_fusion", "combo": "combo_kernels", "mm1x1": "conv_1x1_as_mm",
+                    "cdt": "coordinate_descent_tuning", "mmtune": "max_autotune_gemm"}
 
 
 def category(kernel: str) -> str:
