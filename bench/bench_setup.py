@@ -45,6 +45,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--row-buckets", type=int_list, default=None,
                    help="Easel: UNet row counts captured at load (default: export's, 2,4,8,16)")
     p.add_argument("--fused-kernels", action="store_true", help="Easel with plugins' fused GroupNorm+SiLU and GEGLU")
+    p.add_argument("--vae-dtype", choices=("fp32", "fp16", "bf16"), default=None,
+                   help="Easel's VAE dtype (export --vae-dtype; default: diffusers', fp32 for SDXL)")
     p.add_argument("--controlnets", type=int, default=0, help="ControlNets per request (random SDXL-size ones)")
     p.add_argument("--loras", type=int, default=0, help="LoRAs per request (random SDXL-size ones)")
     p.add_argument("--lora-mib", type=float, default=340.0, help="size of each random LoRA file (fp16)")
@@ -126,6 +128,7 @@ class Setup:
     ready_timeout: float
     smoke: bool
     shared_compile_cache: bool = False
+    vae_dtype: str | None = None
 
     @property
     def name(self) -> str:
@@ -150,7 +153,8 @@ class Setup:
     def resolved_runtime(self) -> str:
         from backends.core.runtime.config import default_kind
 
-        return (self.runtime or default_kind(self.device)) + ("+fused" if self.fused_kernels else "")
+        return ((self.runtime or default_kind(self.device)) + ("+fused" if self.fused_kernels else "")
+                + (f"+vae-{self.vae_dtype}" if self.vae_dtype else ""))
 
     def easel_rounds(self, c: int) -> int:
         return self.rounds or (2 if self.smoke else max(2, 8 // c))
@@ -186,6 +190,7 @@ def resolve(args: argparse.Namespace) -> Setup:
                  lora_mib=0.25 if smoke else args.lora_mib, gpus=gpus, cfg_parallel=tuple(args.cfg_parallel),
                  controlnet_gpus=tuple(args.controlnet_gpus) if args.controlnet_gpus else None,
                  ready_timeout=args.ready_timeout, shared_compile_cache=args.shared_compile_cache,
+                 vae_dtype=args.vae_dtype,
                  smoke=smoke, **pick)
 
 

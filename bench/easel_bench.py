@@ -252,6 +252,8 @@ def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> No
     extra = dict(row_buckets=setup.row_buckets) if setup.row_buckets else {}
     if setup.fused_kernels:
         extra["fused_kernels"] = True
+    if setup.vae_dtype:
+        extra["vae_dtype"] = setup.vae_dtype
     top = max(setup.concurrency)
     options = ExportOptions(
         device=setup.device, dtype=setup.dtype, gpus=setup.gpus, cfg_parallel=setup.cfg_parallel,

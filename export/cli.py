@@ -106,6 +106,9 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--vae-attention", choices=("fp32", "fp16", "bf16"), default=None,
                      help="precision of the VAE's attention product: fp32 is diffusers' exact upcast VAE "
                           "(default: bf16 on a fast runtime, fp32 on eager)")
+    exp.add_argument("--vae-dtype", choices=("fp32", "fp16", "bf16"), default=None,
+                     help="the whole VAE's dtype (default: diffusers', fp32 for SDXL's upcast VAE); bf16 is "
+                          "approximate and faster")
     prof = sub.add_parser("profile-lora", help="measure each LoRA's bound K (steps it may join late) for a repository")
     prof.add_argument("--repo", required=True, help="a model repository exported with --adapters")
     prof.add_argument("--loras", default=None, help="comma-separated names (default: every LoRA in the store)")
@@ -146,7 +149,7 @@ def main(argv: list[str] | None = None) -> int:
                                 controlnet_cache_gib=args.controlnet_cache_gib, controlnet_mode=args.controlnet_mode,
                                 runtime=args.runtime, row_buckets=args.row_buckets, warmup_sizes=args.warmup_sizes,
                                 channels_last=args.channels_last, fused_kernels=args.fused_kernels,
-                                vae_attention=args.vae_attention)
+                                vae_attention=args.vae_attention, vae_dtype=args.vae_dtype)
         export_repository(args.model, args.out, options)
         return 0
     if args.command == "profile-lora":

@@ -77,6 +77,9 @@ class ExportOptions:
     # The VAE's mid-block attention product: fp32 (diffusers' upcast VAE, exact), or bf16/fp16
     # (approximate, faster); default: bf16 on a fast runtime, fp32 on eager.
     vae_attention: str | None = None
+    # The whole VAE's dtype. Default: diffusers' (SDXL's VAE upcast to fp32, others the model's
+    # dtype). bf16 keeps fp32's range (SDXL's VAE overflows in fp16): approximate, faster.
+    vae_dtype: str | None = None
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -101,6 +104,8 @@ class ExportOptions:
             raise ValueError(f"runtime: {self.runtime!r} is not one of {list(RUNTIME_KINDS)}")
         if self.vae_attention is not None and self.vae_attention not in DTYPE_NAMES:
             raise ValueError(f"vae_attention: {self.vae_attention!r} is not one of {list(DTYPE_NAMES)}")
+        if self.vae_dtype is not None and self.vae_dtype not in DTYPE_NAMES:
+            raise ValueError(f"vae_dtype: {self.vae_dtype!r} is not one of {list(DTYPE_NAMES)}")
         if self.device == "cpu" and self.runtime not in (None, "eager"):
             raise ValueError(f"runtime: {self.runtime!r} needs --device cuda (CUDA graphs)")
 
@@ -277,7 +282,8 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
         # attention product in bf16 takes it to 58 ms, pixels as close to fp32's (62.9 dB).
         {**engine_params, **checks, "graphs": _flag(options.resolved_runtime != "eager"),
          "fused_kernels": _flag(options.resolved_runtime != "eager"),
-         "attention_dtype": options.resolved_vae_attention}))
+         "attention_dtype": options.resolved_vae_attention,
+         **({"vae_dtype": options.vae_dtype} if options.vae_dtype else {})}))
 
     # CPU-only steps: validation, PNG encoding.
     cpu = Instances("KIND_CPU", 1)

@@ -466,3 +466,14 @@ def test_requests_at_different_steps_batched_together_match_each_alone(engines, 
     for state in (sa, sb, sc):
         got = engine.result(state)
         assert np.abs(got - alone[state.job.request_id]).max() <= TOL, state.job.request_id
+
+
+def test_vae_dtype_is_written_only_when_asked(tiny_model, tmp_path, cpu_repo):
+    """--vae-dtype bf16 reaches the VAE as its own parameter; without it the VAE keeps diffusers'
+    dtype (the placement's, upcast to fp32 where the VAE asks), and no vae_dtype is written."""
+    assert "vae_dtype" not in params_of(configs(cpu_repo)["vae_decoder"])
+    repo = export_repository(tiny_model, tmp_path / "repo", ExportOptions(device="cpu", vae_dtype="bf16"))
+    params = params_of(configs(repo)["vae_decoder"])
+    assert params["vae_dtype"] == "bf16" and params["dtype"] == "fp32"  # the placement's stays
+    with pytest.raises(ValueError, match="vae_dtype"):
+        ExportOptions(vae_dtype="int8")

@@ -24,7 +24,7 @@ import weakref
 import torch
 
 from backends.core.adapters.controlnet import ControlCall, Residuals, run_controlnet
-from backends.core.runtime.cuda_graphs import capture
+from backends.core.runtime.cuda_graphs import GraphSet
 
 
 WARMUP_RUNS = 2  # before a capture, as for the UNet: compile, then cuDNN/cuBLAS settle on the compiled code
@@ -34,7 +34,7 @@ class ControlNetGraphs:
     def __init__(self, compiled: bool = False, backend: str = "inductor"):
         self.compiled = compiled
         self.forward = torch.compile(_forward, backend=backend) if compiled else _forward
-        self._graphs: dict[int, dict[tuple, tuple]] = {}  # id(model) -> call shape -> (graph, inputs, outputs)
+        self._graphs: dict[int, GraphSet] = {}  # id(model) -> its graphs, one per call shape
         self._pool = None
         self.captures = 0
         self.replays = 0
@@ -44,23 +44,17 @@ class ControlNetGraphs:
         if not call.sample.is_cuda:
             return run_controlnet(model, call)
         inputs = (call.sample, call.timestep, call.embeds, call.image, call.pooled, call.time_ids)
-        key = tuple((tuple(t.shape), t.dtype) for t in inputs)
         graphs = self._graphs.get(id(model))
         if graphs is None:
-            graphs = self._graphs[id(model)] = {}
-            weakref.finalize(model, self._graphs.pop, id(model), None)  # evicted: its graphs go too
-        if key not in graphs:
             if self._pool is None:
                 self._pool = torch.cuda.graph_pool_handle()
-            static = tuple(t.clone() for t in inputs)
-            graph, outputs = capture(lambda *args: self.forward(model, *args), static, self._pool, self.compiled,
-                                     WARMUP_RUNS if self.compiled else 1)
-            graphs[key] = (graph, outputs, static)
-            self.captures += 1
-        graph, (down, mid), static = graphs[key]
-        for buffer, value in zip(static, inputs):
-            buffer.copy_(value)
-        graph.replay()
+            graphs = self._graphs[id(model)] = GraphSet(self._pool, self.compiled,
+                                                        WARMUP_RUNS if self.compiled else 1)
+            weakref.finalize(model, self._graphs.pop, id(model), None)  # evicted: its graphs go too
+        before = graphs.captures
+        down, mid = graphs(tuple((tuple(t.shape), t.dtype) for t in inputs),
+                           lambda *args: self.forward(model, *args), *inputs)
+        self.captures += graphs.captures - before
         self.replays += 1
         return [d * call.scale for d in down], mid * call.scale
 

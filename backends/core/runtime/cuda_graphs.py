@@ -39,3 +39,39 @@ def _tensors(args):
             yield a
         elif isinstance(a, (tuple, list)):
             yield from _tensors(a)
+
+
+class GraphSet:
+    """One function's CUDA graphs, one per key (its inputs' shapes), each captured on first use
+    from static copies of the inputs; a call copies the new values into them and replays. The
+    result is the graph's static outputs: the next replay of that graph overwrites them. The UNet
+    runtime keeps its own buckets (their buffers are shared between the two halves)."""
+
+    def __init__(self, pool=None, compiled: bool = False, warmup_runs: int = 1,
+                 memory_format: torch.memory_format = torch.preserve_format):
+        self.pool = pool
+        self.compiled = compiled
+        self.warmup_runs = warmup_runs
+        self.memory_format = memory_format
+        self.graphs: dict[object, tuple] = {}  # key -> (graph, static inputs, static outputs)
+        self.captures = 0
+        self.replays = 0
+
+    def __len__(self) -> int:
+        return len(self.graphs)
+
+    def __call__(self, key, fn, *inputs):
+        """`fn` is used only to capture a key's graph: it is not kept, so a graph set owned by a
+        model's entry does not keep the model alive."""
+        entry = self.graphs.get(key)
+        if entry is None:
+            static = tuple(t.clone(memory_format=self.memory_format) for t in inputs)
+            graph, out = capture(fn, static, self.pool, self.compiled, self.warmup_runs)
+            entry = self.graphs[key] = (graph, static, out)
+            self.captures += 1
+        graph, static, out = entry
+        for buffer, value in zip(static, inputs):
+            buffer.copy_(value)
+        graph.replay()
+        self.replays += 1
+        return out

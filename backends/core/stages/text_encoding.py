@@ -26,7 +26,7 @@ import torch
 
 from backends.core.adapters.store import AdapterStore
 from backends.core.adapters.lora import TEXT_ENCODERS, LoraSet, LoraWeights, ModelLayers, UnmergedLoras, load_lora
-from backends.core.runtime.cuda_graphs import capture
+from backends.core.runtime.cuda_graphs import GraphSet
 from backends.core.runtime.placement import Placement
 from backends.core.request.params import GenerateParams, InvalidInput, LoraParams
 
@@ -85,8 +85,7 @@ class PromptEncoder:
             enc.to(self.device).eval()
         self.layers = [ModelLayers(enc) for enc in self.encoders]  # what a LoRA's text-encoder layers may change
         self.graphs = graphs and self.device.type == "cuda"
-        # (encoder index, ids shape) -> (graph, static ids, static penultimate hidden states, static pooled)
-        self._graphs: dict[tuple, tuple] = {}
+        self._graphs = GraphSet()  # per encoder and token shape
         options = json.loads((folder / OPTIONS_FILE).read_text())
         self.force_zeros_for_empty_prompt = bool(options["force_zeros_for_empty_prompt"])
         self.loras = TextEncoderLoras(store)
@@ -111,14 +110,7 @@ class PromptEncoder:
         return out.hidden_states[-2], out[0] if out[0].ndim == 2 else None
 
     def _graphed(self, index: int, ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        key = (index, tuple(ids.shape))
-        if key not in self._graphs:
-            static = ids.clone()
-            graph, outputs = capture(lambda i: self._run(index, i), (static,))
-            self._graphs[key] = (graph, static, *outputs)
-        graph, static, penultimate, pooled = self._graphs[key]
-        static.copy_(ids)
-        graph.replay()
+        penultimate, pooled = self._graphs((index, tuple(ids.shape)), lambda i: self._run(index, i), ids)
         # Copies: the next replay (the negative prompt's) overwrites the static outputs.
         return penultimate.clone(), None if pooled is None else pooled.clone()
 

@@ -26,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from diffusers.models.attention_processor import Attention, AttnProcessor2_0
 
-from backends.core.runtime.cuda_graphs import capture
+from backends.core.runtime.cuda_graphs import GraphSet
 from backends.core.runtime.placement import Placement
 
 
@@ -86,7 +86,7 @@ class LatentDecoder:
         self.latents_std = getattr(cfg, "latents_std", None)
         self.graphs = graphs and self.device.type == "cuda"
         self.memory_format = torch.channels_last if channels_last else torch.contiguous_format
-        self._graphs: dict[tuple, tuple] = {}  # latent shape -> (graph, static input, static output)
+        self._graphs = GraphSet(memory_format=self.memory_format)  # one per latent shape
         if channels_last:
             self.vae.to(memory_format=torch.channels_last)
         if fused_kernels:
@@ -116,19 +116,11 @@ class LatentDecoder:
             x = x * std / self.scaling_factor + mean
         else:
             x = x / self.scaling_factor
-        image = self._graphed(x) if self.graphs else self.vae.decode(x, return_dict=False)[0]
+        image = self._graphs(tuple(x.shape), self._decode, x) if self.graphs else self._decode(x)
         # diffusers' postprocess, done on the device so that a quarter of the bytes cross to the
         # host: the same fp32 operations in the same order (round half to even), the same pixels.
         image = ((image.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
         return image.permute(0, 2, 3, 1)[0].cpu().numpy()
 
-    def _graphed(self, x: torch.Tensor) -> torch.Tensor:
-        key = tuple(x.shape)
-        if key not in self._graphs:
-            static = x.clone().contiguous(memory_format=self.memory_format)
-            graph, out = capture(lambda z: self.vae.decode(z, return_dict=False)[0], (static,))
-            self._graphs[key] = (graph, static, out)
-        graph, static, out = self._graphs[key]
-        static.copy_(x)
-        graph.replay()
-        return out
+    def _decode(self, x: torch.Tensor) -> torch.Tensor:
+        return self.vae.decode(x, return_dict=False)[0]
