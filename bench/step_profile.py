@@ -143,7 +143,12 @@ def main() -> None:
         torch.backends.cuda.enable_flash_sdp("cudnn" not in options)
         torch.backends.cuda.enable_mem_efficient_sdp("cudnn" not in options)
         torch.backends.cudnn.benchmark = "bench" in options
+        import torch._dynamo
         import torch._inductor.config as inductor
+
+        # Dynamo keeps compiled code per function, not per torch.compile call: without a reset a
+        # later variant replays the first one's kernels whatever its inductor knobs say.
+        torch._dynamo.reset()
 
         knobs = {INDUCTOR_OPTIONS[o]: getattr(inductor, INDUCTOR_OPTIONS[o]) for o in options if o in INDUCTOR_OPTIONS}
         for knob in knobs:
