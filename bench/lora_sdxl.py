@@ -252,6 +252,9 @@ def time_easel(repo: Path, loras: list[dict], setup: Setup, scale: float) -> dic
                 section["load_s_per_file"] = totals["load_seconds_total"] / loads if loads else None
                 # GPU time of merging into the weights (and of restoring the previous request's)
                 section["merge_s_per_request"] = totals["merge_seconds_total"] / setup.runs
+            # The loader's own line per planned read (size, seconds, GB/s): the disk's share of a load.
+            out["server_reads"] = [line.split("LoRA ", 1)[1].rstrip("\" ") for line in server.log_text().splitlines()
+                                   if "LoRA " in line and " MiB in " in line]
     return out
 
 

@@ -303,7 +303,14 @@ class LoraLoaderPool:
         kind, *body = reply
         if kind == "plan":
             # the parent reads the file itself, opened as the worker opened it (through the store)
-            return read_planned(LoraPlan(**body[0]), task.path, lambda file: self._read(slot, file))
+            plan, start = LoraPlan(**body[0]), time.perf_counter()
+            lora = read_planned(plan, task.path, lambda file: self._read(slot, file))
+            seconds = time.perf_counter() - start
+            # The read's own speed, beside the load's total (stats): what a bound waits on is the disk
+            # or what slows this thread, and the server log tells which.
+            log.info("LoRA %r: read %.1f MiB in %.3f s (%.2f GB/s)", task.name, plan.file_bytes / 2**20, seconds,
+                     plan.file_bytes / max(seconds, 1e-9) / 1e9)
+            return lora
         if kind == "invalid":
             raise InvalidInput(*body)
         if kind == "not_found":
