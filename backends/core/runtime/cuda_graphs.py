@@ -55,7 +55,6 @@ class GraphSet:
         self.memory_format = memory_format
         self.graphs: dict[object, tuple] = {}  # key -> (graph, static inputs, static outputs)
         self.captures = 0
-        self.replays = 0
 
     def __len__(self) -> int:
         return len(self.graphs)
@@ -73,5 +72,4 @@ class GraphSet:
         for buffer, value in zip(static, inputs):
             buffer.copy_(value)
         graph.replay()
-        self.replays += 1
         return out
