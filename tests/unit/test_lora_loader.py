@@ -47,6 +47,12 @@ def view_loader(name, path):
     return LoraWeights(name, {"m": LoraLayer(shared, shared[:], 0.25)}, 16)
 
 
+def converting_loader(name, path):
+    """load_lora under another name: the pool plans only for load_lora itself, so this one takes
+    the converted path (the worker reads and converts the file and writes a segment)."""
+    return load_lora(name, path)
+
+
 def ours():
     """This process's segments in /dev/shm."""
     return {p for p in os.listdir(SHM_DIR) if p.startswith(f"{SEGMENT_PREFIX}{os.getpid()}-")}
@@ -266,3 +272,20 @@ def test_a_plan_names_the_files_tensors_and_reads_them_exactly(loras, tmp_path):
     assert plan_lora("broken", broken) is None
     with pytest.raises(InvalidInput, match="cannot be read as a LoRA"):
         load_lora("broken", broken)
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="reads the worker's /proc/<pid>/maps")
+def test_a_worker_keeps_nothing_of_the_lora_it_handed_over(loras):
+    """After the hand-over the worker holds neither the LoRA's tensors nor a mapping of its file:
+    one that kept its last LoRA held its memory until the next load, and its file's pages could
+    not be dropped from the page cache (so a benchmark's "cold" loads after the first were warm)."""
+    pool = LoraLoaderPool(workers=1, load=converting_loader)
+    try:
+        path = loras["papercut"]
+        ((lora, _),) = pool.submit([("papercut", path, 1.0)]).result(TIMEOUT)
+        assert lora.unet
+        (pid,) = pool.pids()
+        maps = Path(f"/proc/{pid}/maps").read_text()
+        assert str(path.resolve()) not in maps and path.name not in maps
+    finally:
+        pool.shutdown()

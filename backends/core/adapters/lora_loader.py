@@ -380,6 +380,17 @@ def _segment_tensors(lora: LoraWeights) -> dict[str, torch.Tensor]:
             for module, layer in layers.items() for which, tensor in (("down", layer.down), ("up", layer.up))}
 
 
+def _hand_over(lora: LoraWeights, segment: str) -> tuple:
+    """Write the loaded LoRA to its segment; the reply describes it. A function of its own so that
+    the LoRA dies with it: a worker that kept its last LoRA would hold its memory (and keep the
+    file mapped, so that its pages can not be dropped from the page cache) until the next load."""
+    write_tensors(segment, _segment_tensors(lora))
+    parts = {"unet": lora.unet, **lora.text_encoders}
+    return ("ok", {"name": lora.name, "nbytes": lora.nbytes,
+                   "layers": {component: {module: layer.scale for module, layer in layers.items()}
+                              for component, layers in parts.items()}})
+
+
 def _worker_main(conn, load) -> None:
     import signal
     import site
@@ -415,12 +426,7 @@ def _worker_main(conn, load) -> None:
             if plan is not None:  # the parent reads the file itself: nothing written here
                 reply = ("plan", dataclasses.asdict(plan))
             else:
-                lora = load(name, path)
-                write_tensors(segment, _segment_tensors(lora))
-                parts = {"unet": lora.unet, **lora.text_encoders}
-                reply = ("ok", {"name": lora.name, "nbytes": lora.nbytes,
-                                "layers": {component: {module: layer.scale for module, layer in layers.items()}
-                                           for component, layers in parts.items()}})
+                reply = _hand_over(load(name, path), segment)
         except InvalidInput as exc:
             unlink(segment)
             reply = ("not_found" if isinstance(exc, UnknownAdapter) else "invalid", exc.field,
