@@ -145,9 +145,11 @@ def drop_cache(paths: list[str]) -> None:
             os.close(fd)
 
 
-def read_speeds(path: str) -> dict[str, float]:
+def read_speeds(path: str, readers: tuple[int, ...] = (2, 4)) -> dict:
     """Plain read throughput of one file cold (after drop_cache) and warm, in GB/s: shows that
-    dropping works on this filesystem and what a cold load costs at the floor."""
+    dropping works on this filesystem and what a cold load costs at the floor. Also cold with
+    several threads reading interleaved 16 MiB ranges: whether this disk serves more with more
+    requests in flight (the loader reads one range at a time)."""
     def read_all() -> float:
         start = time.perf_counter()
         with open(path, "rb", buffering=0) as f:
@@ -159,8 +161,42 @@ def read_speeds(path: str) -> dict[str, float]:
     drop_cache([path])
     cold = read_all()
     warm = read_all()
+    parallel = {}
+    for threads in readers:
+        drop_cache([path])
+        parallel[str(threads)] = nbytes / parallel_read(path, threads) / 1e9
     return {"bytes": nbytes, "cold_s": cold, "warm_s": warm, "cold_gb_s": nbytes / cold / 1e9,
-            "warm_gb_s": nbytes / warm / 1e9}
+            "warm_gb_s": nbytes / warm / 1e9, "cold_gb_s_by_readers": parallel}
+
+
+def parallel_read(path: str, threads: int, chunk: int = 16 << 20) -> float:
+    """Seconds to read the whole file with `threads` threads, thread j reading ranges j, j + threads, ..."""
+    import threading
+
+    size = os.path.getsize(path)
+    fd = os.open(path, os.O_RDONLY)
+
+    def work(j: int) -> None:
+        buffer = memoryview(bytearray(chunk))
+        for offset in range(j * chunk, size, threads * chunk):
+            want = min(chunk, size - offset)
+            done = 0
+            while done < want:
+                n = os.preadv(fd, [buffer[done:want]], offset + done)
+                if not n:
+                    raise EOFError(f"{path}: ends early")
+                done += n
+
+    workers = [threading.Thread(target=work, args=(j,)) for j in range(threads)]
+    start = time.perf_counter()
+    try:
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+    finally:
+        os.close(fd)
+    return time.perf_counter() - start
 
 
 # --- the requests --------------------------------------------------------------------------
@@ -401,8 +437,9 @@ def main() -> None:
     log.info("model ready in %.1fs, LoRAs in %.1fs", t1 - t0, t2 - t1)
     speeds = read_speeds(loras[-1]["path"])
     log.info("cold means: before each timed request every LoRA file's pages are dropped from the page cache "
-             "(posix_fadvise DONTNEED); plain read of %s: cold %.2f GB/s, warm %.2f GB/s",
-             loras[-1]["name"], speeds["cold_gb_s"], speeds["warm_gb_s"])
+             "(posix_fadvise DONTNEED); plain read of %s: cold %.2f GB/s, warm %.2f GB/s; cold by reader threads %s",
+             loras[-1]["name"], speeds["cold_gb_s"], speeds["warm_gb_s"],
+             {k: round(v, 2) for k, v in speeds["cold_gb_s_by_readers"].items()})
 
     report = {"device": setup.device, "dtype": setup.dtype, "size": setup.size, "steps": setup.steps,
               "runs": setup.runs, "scale": args.scale, "bounds": bounds, "loras": loras,
