@@ -13,8 +13,10 @@ from clients.client import EaselClient
 from clients.serve import TritonServer, scrape_metrics
 from export.repository import ExportOptions, export_repository
 
-# Small enough for two CPU cores, large enough that the limits tests have room.
-OPTIONS = ExportOptions(device="cpu", max_size=256, max_steps=50, default_steps=4)
+# Small enough for two CPU cores, large enough that the limits tests have room. 200 steps: a
+# request that must still be running seconds later (cancel, deadline, crash) takes 200 steps at
+# 256 px, about 3.6 s here; 50 of them took 0.9 s on a 2-core machine, inside a 1 s deadline.
+OPTIONS = ExportOptions(device="cpu", max_size=256, max_steps=200, default_steps=4)
 
 
 def start_server(model, repo):

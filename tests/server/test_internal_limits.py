@@ -17,7 +17,7 @@ GOOD = dict(prompt="a cat", negative_prompt=None, width=64, height=64, steps=2, 
             scheduler="default", controls=[], loras=[], output_format="png", quality=None, trace={})
 
 BAD = [
-    (dict(steps=600), "steps: 600 is outside [1, 50]"),
+    (dict(steps=600), "steps: 600 is outside [1, 200]"),
     (dict(width=60), "width: 60 is not a multiple of 8"),
     (dict(height=4096), "height: 4096 is outside [64, 256]"),
     (dict(seed=-5), "seed: -5 is outside [0, 9223372036854775807]"),

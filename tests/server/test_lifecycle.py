@@ -123,7 +123,7 @@ def _wait_until(predicate, timeout: float, step: float = 0.1, serve: EaselServe 
 class InFlight(threading.Thread):
     """One gRPC request in a thread: its outcome and how long it took."""
 
-    def __init__(self, url: str, seed: int, size: int = 256, steps: int = 50):
+    def __init__(self, url: str, seed: int, size: int = 256, steps: int = 200):
         super().__init__(daemon=True)
         self.url, self.seed, self.size, self.steps = url, seed, size, steps
         self.error: EaselError | None = None
@@ -168,8 +168,9 @@ def test_dead_stub_fails_in_flight_then_recovers(serving):
     prefix = serving.region_prefix()
     denoiser = [pid for pid, name in procs.stub_instances(triton).items() if name.startswith("denoiser")]
     assert denoiser, procs.stub_instances(triton)
+    before = serving.steps_run()
     request = InFlight(serving.url_grpc, seed=1)
-    time.sleep(1.5)
+    serving.wait_for_steps(2, before)  # running, not guessed by a sleep
     assert request.is_alive()
     mark = len(serving.lines)
     os.kill(denoiser[0], signal.SIGKILL)

@@ -92,9 +92,9 @@ def test_cancelling_the_stream_stops_the_denoiser_between_steps(server, grpc_cli
 
 @pytest.mark.parametrize("fields, preview_every, status, expected", [
     (dict(width=60), None, "StatusCode.INVALID_ARGUMENT", "width: 60 is not a multiple of 8"),
-    (dict(steps=0), None, "StatusCode.INVALID_ARGUMENT", "steps: 0 is outside [1, 50]"),
+    (dict(steps=0), None, "StatusCode.INVALID_ARGUMENT", "steps: 0 is outside [1, 200]"),
     (dict(scheduler="nosuch"), None, "StatusCode.INVALID_ARGUMENT", "scheduler: unknown name 'nosuch'"),
-    (dict(), -1, "StatusCode.INVALID_ARGUMENT", "preview_every: -1 is outside [0, 50]"),
+    (dict(), -1, "StatusCode.INVALID_ARGUMENT", "preview_every: -1 is outside [0, 200]"),
     (dict(loras=("nosuch",)), None, "StatusCode.NOT_FOUND", "loras: unknown LoRA 'nosuch'"),
 ])
 def test_bad_input_gets_easels_status_naming_the_field(grpc_client, fields, preview_every, status, expected):
