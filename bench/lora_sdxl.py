@@ -150,17 +150,10 @@ def read_speeds(path: str, readers: tuple[int, ...] = (2, 4)) -> dict:
     dropping works on this filesystem and what a cold load costs at the floor. Also cold with
     several threads reading interleaved 16 MiB ranges: whether this disk serves more with more
     requests in flight (the loader reads one range at a time)."""
-    def read_all() -> float:
-        start = time.perf_counter()
-        with open(path, "rb", buffering=0) as f:
-            while f.read(64 << 20):
-                pass
-        return time.perf_counter() - start
-
     nbytes = os.path.getsize(path)
     drop_cache([path])
-    cold = read_all()
-    warm = read_all()
+    cold = parallel_read(path, 1, 64 << 20)
+    warm = parallel_read(path, 1, 64 << 20)
     parallel = {}
     for threads in readers:
         drop_cache([path])

@@ -51,10 +51,10 @@ class ControlNetGraphs:
             graphs = self._graphs[id(model)] = GraphSet(self._pool, self.compiled,
                                                         WARMUP_RUNS if self.compiled else 1)
             weakref.finalize(model, self._graphs.pop, id(model), None)  # evicted: its graphs go too
-        before = graphs.captures
+        before = len(graphs)
         down, mid = graphs(tuple((tuple(t.shape), t.dtype) for t in inputs),
                            lambda *args: self.forward(model, *args), *inputs)
-        self.captures += graphs.captures - before
+        self.captures += len(graphs) - before
         self.replays += 1
         return [d * call.scale for d in down], mid * call.scale
 

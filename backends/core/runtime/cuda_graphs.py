@@ -54,7 +54,6 @@ class GraphSet:
         self.warmup_runs = warmup_runs
         self.memory_format = memory_format
         self.graphs: dict[object, tuple] = {}  # key -> (graph, static inputs, static outputs)
-        self.captures = 0
 
     def __len__(self) -> int:
         return len(self.graphs)
@@ -67,7 +66,6 @@ class GraphSet:
             static = tuple(t.clone(memory_format=self.memory_format) for t in inputs)
             graph, out = capture(fn, static, self.pool, self.compiled, self.warmup_runs)
             entry = self.graphs[key] = (graph, static, out)
-            self.captures += 1
         graph, static, out = entry
         for buffer, value in zip(static, inputs):
             buffer.copy_(value)
