@@ -111,10 +111,39 @@ def test_lora_with_controlnet_matches_diffusers(http_client, tiny_model):
     assert max_abs_diff(pixels(ours), (ref * 255).round().astype(np.uint8)) <= TOLERANCE
 
 
-def test_info_says_where_the_lora_landed(http_client):
-    info = http_client.generate("a fox", seed=1, steps=2, width=64, height=64, loras=("papercut",)).info
+def test_info_says_where_the_lora_landed(server, http_client):
+    """With its loaders stopped (SIGSTOP), a request at bound 0 is held before its first step until they
+    resume: its info and the wait metrics count that hold. (Unstopped, a tiny LoRA may finish loading
+    before the request's first step, and then nothing is held: a 0 s wait is right there.)"""
+    from tests.server.conftest import metric_values
+
+    def value(name):
+        return sum(metric_values(server, name).values())
+
+    before = {n: value(n) for n in ("easel_lora_bound_waits_total", "easel_lora_bound_wait_seconds_total")}
+    loaders = _loaders(server)
+    hold = 1.0
+    with ThreadPoolExecutor(1) as pool:
+        for pid in loaders:
+            os.kill(pid, signal.SIGSTOP)
+        try:
+            reply = pool.submit(_generate, server.url_http, "a fox", seed=1, steps=2, width=64, height=64,
+                                loras=("papercut",))
+            deadline = time.monotonic() + 30
+            while value("easel_denoiser_pending") < 1:  # admitted; no load can end while its loaders stop
+                assert time.monotonic() < deadline and not reply.done(), "the request never reached the denoiser"
+                time.sleep(0.05)
+            time.sleep(hold)
+        finally:
+            for pid in loaders:
+                os.kill(pid, signal.SIGCONT)
+        info = reply.result(timeout=60).info
     assert info["lora_merged_at_step"] == 0  # bound 0: the request waits for its LoRA
-    assert info["lora_wait_s"] > 0  # (for the load)
+    # Held from its first schedule, a moment after admission, to the step after the loaders resumed.
+    assert hold / 2 < info["lora_wait_s"] < 30
+    assert value("easel_lora_bound_waits_total") - before["easel_lora_bound_waits_total"] == 1
+    assert value("easel_lora_bound_wait_seconds_total") - before["easel_lora_bound_wait_seconds_total"] \
+        == pytest.approx(info["lora_wait_s"], rel=1e-6)
     plain = http_client.generate("a fox", seed=1, steps=2, width=64, height=64).info
     assert plain["lora_merged_at_step"] is None and plain["lora_wait_s"] == 0
 
@@ -133,7 +162,12 @@ def test_lora_metrics(server, http_client):
     assert value("easel_lora_merged_requests_total") - before["easel_lora_merged_requests_total"] == 1
     assert value("easel_lora_load_seconds_total") > 0
     assert value("easel_lora_merge_seconds_total") > 0
-    assert value("easel_lora_bound_wait_seconds_total") > 0
+
+
+def _generate(url: str, prompt: str, **req):
+    """From a thread of its own: a client is not shared across threads."""
+    with EaselClient(url) as c:
+        return c.generate(prompt, **req)
 
 
 def _children(pid: int) -> list[int]:
@@ -154,6 +188,18 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
+def _denoiser_stubs(server) -> list[int]:
+    return [p for p in _children(server.proc.pid) if "denoiser" in _cmdline(p)]
+
+
+def _loaders(server) -> list[int]:
+    """The denoisers' LoRA loader processes: children of their stubs running spawn_main."""
+    stubs = _denoiser_stubs(server)
+    loaders = [p for stub in stubs for p in _children(stub) if "spawn_main" in _cmdline(p)]
+    assert stubs and len(loaders) == 2 * len(stubs)  # lora_loaders defaults to 2
+    return loaders
+
+
 def _segments_left(server) -> list[str]:
     """LoRA segments in /dev/shm owned by the server's denoisers (named after their stub's pid)."""
     stubs = _children(server.proc.pid)
@@ -163,9 +209,8 @@ def _segments_left(server) -> list[str]:
 def test_killed_lora_loaders_are_replaced(server, http_client):
     """The denoiser's LoRA loader processes (children of its stub running spawn_main) killed with SIGKILL: the
     next LoRA request still succeeds, the server stays ready, no segment is left in /dev/shm."""
-    stubs = [p for p in _children(server.proc.pid) if "denoiser" in _cmdline(p)]
-    loaders = [p for stub in stubs for p in _children(stub) if "spawn_main" in _cmdline(p)]
-    assert stubs and len(loaders) == 2 * len(stubs)  # lora_loaders defaults to 2
+    stubs = _denoiser_stubs(server)
+    loaders = _loaders(server)
     for pid in loaders:
         os.kill(pid, signal.SIGKILL)
     deadline = time.monotonic() + 30
