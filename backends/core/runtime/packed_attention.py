@@ -76,13 +76,15 @@ class PackedSelfAttnProcessor:
     def __init__(self, stock: AttnProcessor2_0, qkv: torch.Tensor):
         self.stock = stock
         self.qkv = qkv
+        self.qkv_product: nn.Module | None = None  # the product over `qkv` in FP8 (runtime/fp8.py)
 
     def __call__(self, attn: Attention, hidden_states, encoder_hidden_states=None, attention_mask=None, temb=None,
                  *args, **kwargs):
         if (encoder_hidden_states is not None or attention_mask is not None or hidden_states.ndim != 3
                 or _hooked(attn.to_q, attn.to_k, attn.to_v)):
             return self.stock(attn, hidden_states, encoder_hidden_states, attention_mask, temb, *args, **kwargs)
-        query, key, value = F.linear(hidden_states, self.qkv).chunk(3, dim=-1)
+        qkv = F.linear(hidden_states, self.qkv) if self.qkv_product is None else self.qkv_product(hidden_states)
+        query, key, value = qkv.chunk(3, dim=-1)
         return _attend(attn, query, key, value, hidden_states.shape[0])
 
 

@@ -1,0 +1,99 @@
+"""FP8 products with static scales (backends/core/runtime/fp8.py) on CPU: an approximate mode, so
+these tests bound its error instead of asking for equality.
+
+Bounds: e4m3 keeps 3 mantissa bits, so each operand is rounded by up to 2^-4 of itself (6.25%);
+over a dot product the errors mostly cancel, and a product's RMS error relative to the exact
+one's RMS is about 3-4% for random operands. Measured on a 2-core x86-64 CPU: 3.6% and 3.8% for
+one product, 4.0% for the tiny UNet's noise. The tests assert <= 8% and <= 10%, and > 0.1% so that
+a product which silently stayed in fp32 fails.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from backends.core.runtime.artifacts import load_unet_halves
+from backends.core.runtime.fp8 import Fp8Linear, calibrating, use_fp8
+from backends.core.runtime.packed_attention import PackedSelfAttnProcessor, pack_attention
+from backends.core.runtime.placement import Placement
+from backends.core.runtime.unet_split import split_forward
+from export.repository import ExportOptions, export_repository
+from tests.unit.test_packed_attention import inputs
+
+
+def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
+
+
+def linear(seed=0, n_in=64, n_out=96):
+    torch.manual_seed(seed)
+    return nn.Linear(n_in, n_out)
+
+
+@torch.no_grad()
+def test_an_fp8_product_stays_near_the_exact_one():
+    lin = linear()
+    x = torch.randn(4, 32, 64)
+    fp8 = Fp8Linear(lin.weight, lin.bias)
+    with calibrating([fp8]):
+        assert torch.equal(fp8(x), lin(x))  # calibrating runs the exact product
+    assert float(fp8.x_amax) == pytest.approx(float(x.abs().max()))
+    error = rel_rms(fp8(x), lin(x))
+    assert 1e-3 < error <= 0.08, f"relative RMS error {error:.4f}"
+    # Past the calibrated range the input saturates: wrong, but finite (an unclamped e4m3 cast gives NaN).
+    assert torch.isfinite(fp8(x * 100)).all()
+
+
+@torch.no_grad()
+def test_requantize_follows_an_in_place_weight_write():
+    """The fp16 weight is what a LoRA merge writes; the e4m3 copy follows on requantize(), in place."""
+    lin = linear()
+    x = torch.randn(8, 64)
+    fp8 = Fp8Linear(lin.weight, lin.bias)
+    with calibrating([fp8]):
+        fp8(x)
+    w8 = fp8.w8
+    before = fp8(x)
+    lin.weight.add_(torch.randn_like(lin.weight))
+    assert torch.equal(fp8(x), before)  # the copy is stale until requantized
+    fp8.requantize()
+    assert fp8.w8 is w8  # the same storage: a captured graph reads the new values
+    assert rel_rms(fp8(x), lin(x)) <= 0.08
+
+
+def test_dimensions_must_be_multiples_of_16():
+    with pytest.raises(ValueError, match="multiples of 16"):
+        Fp8Linear(torch.zeros(24, 64), None)
+    with pytest.raises(ValueError, match=r"fp8 parts: \['nope'\]"):
+        use_fp8(nn.Module(), ("nope",))
+
+
+@pytest.fixture(scope="module")
+def folder(tiny_model, tmp_path_factory):
+    return export_repository(tiny_model, tmp_path_factory.mktemp("fp8") / "repo", ExportOptions()) / "denoiser" / "1"
+
+
+@torch.no_grad()
+def test_the_tiny_unet_in_fp8_stays_near_fp32(folder):
+    _, enc0, dec0 = load_unet_halves(folder, Placement())
+    unet, enc, dec = load_unet_halves(folder, Placement())
+    pack_attention(unet)
+    layers = use_fp8(unet)
+    packed = [m.processor for m in unet.modules() if isinstance(getattr(m, "processor", None), PackedSelfAttnProcessor)]
+    assert packed and all(isinstance(p.qkv_product, Fp8Linear) for p in packed)
+    linears = [m for m in unet.modules() if type(m) is nn.Linear]
+    assert len(layers) >= 4 * len(packed)  # QKV, to_out, two feed-forward products per block at least
+    assert not any(isinstance(m, Fp8Linear) for m in linears)
+
+    calibration = inputs(unet, rows=4)
+    with calibrating(layers):
+        split_forward(enc, dec, *calibration)
+    assert all(float(layer.x_amax) > 0 for layer in layers)
+
+    measured = inputs(unet, rows=3)  # other inputs than the calibration's (other rows, other timesteps)
+    measured = (measured[0] * 0.9, *measured[1:])
+    want = split_forward(enc0, dec0, *measured)
+    error = rel_rms(split_forward(enc, dec, *measured), want)
+    assert 1e-3 < error <= 0.10, f"noise relative RMS error {error:.4f}"
