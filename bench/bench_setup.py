@@ -47,6 +47,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--fused-kernels", action="store_true", help="Easel with plugins' fused GroupNorm+SiLU and GEGLU")
     p.add_argument("--vae-dtype", choices=("fp32", "fp16", "bf16"), default=None,
                    help="Easel's VAE dtype (export --vae-dtype; default: diffusers', fp32 for SDXL)")
+    p.add_argument("--fp8", type=fp8_parts, default=(),
+                   help="Easel's transformer products in FP8 (export --fp8: parts, or all; approximate)")
     p.add_argument("--controlnets", type=int, default=0, help="ControlNets per request (random SDXL-size ones)")
     p.add_argument("--loras", type=int, default=0, help="LoRAs per request (random SDXL-size ones)")
     p.add_argument("--lora-mib", type=float, default=340.0, help="size of each random LoRA file (fp16)")
@@ -78,6 +80,12 @@ def gpu_pairs(text: str) -> tuple[tuple[int, int], ...]:
     from export.cli import _gpu_pairs
 
     return _gpu_pairs(text)
+
+
+def fp8_parts(text: str) -> tuple[str, ...]:
+    from export.cli import _fp8_parts
+
+    return _fp8_parts(text)
 
 
 def config_list(text: str) -> tuple[tuple[int, int], ...]:
@@ -129,6 +137,7 @@ class Setup:
     smoke: bool
     shared_compile_cache: bool = False
     vae_dtype: str | None = None
+    fp8: tuple[str, ...] = ()
 
     @property
     def name(self) -> str:
@@ -154,7 +163,8 @@ class Setup:
         from backends.core.runtime.config import default_kind
 
         return ((self.runtime or default_kind(self.device)) + ("+fused" if self.fused_kernels else "")
-                + (f"+vae-{self.vae_dtype}" if self.vae_dtype else ""))
+                + (f"+vae-{self.vae_dtype}" if self.vae_dtype else "")
+                + ("+fp8-" + "-".join(self.fp8) if self.fp8 else ""))
 
     def easel_rounds(self, c: int) -> int:
         return self.rounds or (2 if self.smoke else max(2, 8 // c))
@@ -190,7 +200,7 @@ def resolve(args: argparse.Namespace) -> Setup:
                  lora_mib=0.25 if smoke else args.lora_mib, gpus=gpus, cfg_parallel=tuple(args.cfg_parallel),
                  controlnet_gpus=tuple(args.controlnet_gpus) if args.controlnet_gpus else None,
                  ready_timeout=args.ready_timeout, shared_compile_cache=args.shared_compile_cache,
-                 vae_dtype=args.vae_dtype,
+                 vae_dtype=args.vae_dtype, fp8=tuple(args.fp8),
                  smoke=smoke, **pick)
 
 

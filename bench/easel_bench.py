@@ -254,6 +254,8 @@ def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> No
         extra["fused_kernels"] = True
     if setup.vae_dtype:
         extra["vae_dtype"] = setup.vae_dtype
+    if setup.fp8:
+        extra["fp8"] = setup.fp8
     top = max(setup.concurrency)
     options = ExportOptions(
         device=setup.device, dtype=setup.dtype, gpus=setup.gpus, cfg_parallel=setup.cfg_parallel,

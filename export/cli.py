@@ -19,6 +19,18 @@ def _positive_ints(flag: str):
     return parse
 
 
+def _fp8_parts(text: str) -> tuple[str, ...]:
+    from backends.core.runtime.config import FP8_PARTS
+
+    parts = tuple(v.strip() for v in text.split(",") if v.strip())
+    if parts == ("all",):
+        return FP8_PARTS
+    unknown = sorted(set(parts) - set(FP8_PARTS))
+    if not parts or unknown:
+        raise argparse.ArgumentTypeError(f"--fp8: {text!r} must list parts of {','.join(FP8_PARTS)}, or be all")
+    return parts
+
+
 def _gpus(text: str) -> tuple[int, ...]:
     try:
         gpus = tuple(int(g) for g in text.split(",") if g.strip())
@@ -109,6 +121,9 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--vae-dtype", choices=("fp32", "fp16", "bf16"), default=None,
                      help="the whole VAE's dtype (default: diffusers', fp32 for SDXL's upcast VAE); bf16 is "
                           "approximate and faster")
+    exp.add_argument("--fp8", type=_fp8_parts, default=(),
+                     help="the transformer blocks' products in FP8 with calibrated scales (approximate, faster): "
+                          "comma-separated parts of attention,feed_forward,projections, or all (default: none)")
     prof = sub.add_parser("profile-lora", help="measure each LoRA's bound K (steps it may join late) for a repository")
     prof.add_argument("--repo", required=True, help="a model repository exported with --adapters")
     prof.add_argument("--loras", default=None, help="comma-separated names (default: every LoRA in the store)")
@@ -149,7 +164,7 @@ def main(argv: list[str] | None = None) -> int:
                                 controlnet_cache_gib=args.controlnet_cache_gib, controlnet_mode=args.controlnet_mode,
                                 runtime=args.runtime, row_buckets=args.row_buckets, warmup_sizes=args.warmup_sizes,
                                 channels_last=args.channels_last, fused_kernels=args.fused_kernels,
-                                vae_attention=args.vae_attention, vae_dtype=args.vae_dtype)
+                                vae_attention=args.vae_attention, vae_dtype=args.vae_dtype, fp8=args.fp8)
         export_repository(args.model, args.out, options)
         return 0
     if args.command == "profile-lora":

@@ -20,7 +20,7 @@ from backends.core.runtime.artifacts import DECODER_FILE, ENCODER_FILE, UNET_DIR
 from backends.core.runtime.placement import DTYPE_NAMES, Placement
 from backends.core.engine.config import DenoiserConfig
 from backends.core.engine.denoiser import VAE_SCALE_FACTOR_FILE
-from backends.core.runtime.config import RUNTIME_KINDS, RuntimeConfig, default_kind
+from backends.core.runtime.config import FP8_PARTS, RUNTIME_KINDS, RuntimeConfig, default_kind
 from backends.core.request.params import Limits, validate
 from backends.core.stages.text_encoding import OPTIONS_FILE
 
@@ -80,6 +80,9 @@ class ExportOptions:
     # The whole VAE's dtype. Default: diffusers' (SDXL's VAE upcast to fp32, others the model's
     # dtype). bf16 keeps fp32's range (SDXL's VAE overflows in fp16): approximate, faster.
     vae_dtype: str | None = None
+    # The transformer blocks' products in FP8 (RuntimeConfig.fp8: parts of FP8_PARTS; approximate).
+    # Export writes the calibration data the runtime reads at load: the text of a few prompts.
+    fp8: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -108,6 +111,11 @@ class ExportOptions:
             raise ValueError(f"vae_dtype: {self.vae_dtype!r} is not one of {list(DTYPE_NAMES)}")
         if self.device == "cpu" and self.runtime not in (None, "eager"):
             raise ValueError(f"runtime: {self.runtime!r} needs --device cuda (CUDA graphs)")
+        unknown = sorted(set(self.fp8) - set(FP8_PARTS))
+        if unknown:
+            raise ValueError(f"fp8: {unknown} not among {list(FP8_PARTS)}")
+        if self.fp8 and self.resolved_runtime == "eager":
+            raise ValueError("fp8: needs a fast runtime (--device cuda, --runtime graphs or compiled)")
 
     @property
     def resolved_runtime(self) -> str:
@@ -121,7 +129,7 @@ class ExportOptions:
         sizes = tuple((s // vae_scale_factor, s // vae_scale_factor) for s in pixels)
         return RuntimeConfig(kind=self.resolved_runtime, row_buckets=self.resolved_row_buckets, warmup_sizes=sizes,
                              warmup_residuals=bool(self.adapters), channels_last=self.channels_last,
-                             fused_kernels=self.fused_kernels)
+                             fused_kernels=self.fused_kernels, fp8=self.fp8)
 
     @property
     def denoiser_gpus(self) -> tuple[int, ...]:
@@ -256,6 +264,10 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
                 save_file(state, str(unet_dir / file))
             pipe.scheduler.save_pretrained(model / VERSION / "scheduler")
             (model / VERSION / VAE_SCALE_FACTOR_FILE).write_text(json.dumps({"vae_scale_factor": vae_scale_factor}))
+            if options.fp8:
+                from backends.core.runtime.fp8 import CALIBRATION_FILE, write_calibration
+
+                write_calibration(pipe, unet_dir / CALIBRATION_FILE, default_size)
         gpu = options.gpus[index] if options.device == "cuda" else None
         config = DenoiserConfig(
             limits=limits, runtime=options.runtime_config(vae_scale_factor, default_size), max_running=options.max_running,

@@ -4,7 +4,7 @@ these tests bound its error instead of asking for equality.
 Bounds: e4m3 keeps 3 mantissa bits, so each operand is rounded by up to 2^-4 of itself (6.25%);
 over a dot product the errors mostly cancel, and a product's RMS error relative to the exact
 one's RMS is about 3-4% for random operands. Measured on a 2-core x86-64 CPU: 3.6% and 3.8% for
-one product, 4.0% for the tiny UNet's noise. The tests assert <= 8% and <= 10%, and > 0.1% so that
+one product, 4.4% for the tiny UNet's noise (calibrated on export's data). The tests assert <= 8% and <= 10%, and > 0.1% so that
 a product which silently stayed in fp32 fails.
 """
 
@@ -14,11 +14,17 @@ import pytest
 import torch
 from torch import nn
 
+from diffusers import StableDiffusionXLPipeline
+from safetensors.torch import load_file
+
 from backends.core.runtime.artifacts import load_unet_halves
-from backends.core.runtime.fp8 import Fp8Linear, calibrating, use_fp8
+from backends.core.runtime.config import FP8_PARTS, RuntimeConfig
+from backends.core.runtime.fp8 import (CALIBRATION_FILE, CALIBRATION_PROMPTS, Fp8Linear, calibrate_from_file,
+                                       calibrating, use_fp8, write_calibration)
 from backends.core.runtime.packed_attention import PackedSelfAttnProcessor, pack_attention
 from backends.core.runtime.placement import Placement
 from backends.core.runtime.unet_split import split_forward
+from export.cli import parser
 from export.repository import ExportOptions, export_repository
 from tests.unit.test_packed_attention import inputs
 
@@ -75,8 +81,24 @@ def folder(tiny_model, tmp_path_factory):
     return export_repository(tiny_model, tmp_path_factory.mktemp("fp8") / "repo", ExportOptions()) / "denoiser" / "1"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_export_writes_calibration_text_from_the_models_encoders(tiny_model, tmp_path, dtype):
+    """What `easel export --fp8` writes (on the CPU, in the export's dtype): each calibration
+    prompt's text beside its negative's, as the pipeline's own encode_prompt makes them."""
+    pipe = StableDiffusionXLPipeline.from_pretrained(tiny_model, dtype=dtype)
+    path = tmp_path / CALIBRATION_FILE
+    write_calibration(pipe, path, 64)
+    data = load_file(str(path))
+    n = len(CALIBRATION_PROMPTS)
+    embeds, negative, pooled, _ = pipe.encode_prompt(list(CALIBRATION_PROMPTS), device="cpu")
+    assert torch.equal(data["text"][n:], embeds) and torch.equal(data["text"][:n], negative)
+    assert torch.equal(data["pooled"][n:], pooled) and data["pooled"].shape[0] == 2 * n
+    assert data["latent_hw"].tolist() == [64 // pipe.vae_scale_factor] * 2
+    assert data["time_ids"].tolist() == [[64.0, 64.0, 0.0, 0.0, 64.0, 64.0]]
+
+
 @torch.no_grad()
-def test_the_tiny_unet_in_fp8_stays_near_fp32(folder):
+def test_the_tiny_unet_in_fp8_stays_near_fp32(folder, tiny_model, tmp_path):
     _, enc0, dec0 = load_unet_halves(folder, Placement())
     unet, enc, dec = load_unet_halves(folder, Placement())
     pack_attention(unet)
@@ -87,13 +109,30 @@ def test_the_tiny_unet_in_fp8_stays_near_fp32(folder):
     assert len(layers) >= 4 * len(packed)  # QKV, to_out, two feed-forward products per block at least
     assert not any(isinstance(m, Fp8Linear) for m in linears)
 
-    calibration = inputs(unet, rows=4)
-    with calibrating(layers):
-        split_forward(enc, dec, *calibration)
-    assert all(float(layer.x_amax) > 0 for layer in layers)
+    path = tmp_path / CALIBRATION_FILE
+    with pytest.raises(ValueError, match="runtime.fp8: no calibration data at .*easel export --fp8"):
+        calibrate_from_file(layers, unet, enc, dec, path)
+    write_calibration(StableDiffusionXLPipeline.from_pretrained(tiny_model), path, 64)
+    calibrate_from_file(layers, unet, enc, dec, path)
+    assert all(float(layer.x_scale) > 0 for layer in layers)
 
-    measured = inputs(unet, rows=3)  # other inputs than the calibration's (other rows, other timesteps)
-    measured = (measured[0] * 0.9, *measured[1:])
+    measured = inputs(unet, rows=3)  # other inputs than the calibration's
     want = split_forward(enc0, dec0, *measured)
     error = rel_rms(split_forward(enc, dec, *measured), want)
     assert 1e-3 < error <= 0.10, f"noise relative RMS error {error:.4f}"
+
+
+def test_fp8_is_configured_only_for_a_fast_runtime():
+    assert RuntimeConfig(kind="compiled", fp8=["feed_forward"]).fp8 == ("feed_forward",)
+    with pytest.raises(ValueError, match=r"runtime.fp8: \['ffn'\] not among"):
+        RuntimeConfig(kind="compiled", fp8=("ffn",))
+    with pytest.raises(ValueError, match="runtime.fp8: needs a fast runtime"):
+        RuntimeConfig(kind="eager", fp8=("feed_forward",))
+    with pytest.raises(ValueError, match="fp8: needs a fast runtime"):
+        ExportOptions(fp8=("feed_forward",))  # the CPU: eager
+    assert ExportOptions(device="cuda", gpus=(0,), fp8=FP8_PARTS).runtime_config(8, 1024).fp8 == FP8_PARTS
+    args = parser().parse_args(["export", "--model", "m", "--out", "o", "--fp8", "all"])
+    assert args.fp8 == FP8_PARTS
+    assert parser().parse_args(["export", "--model", "m", "--out", "o", "--fp8", "feed_forward"]).fp8 == ("feed_forward",)
+    with pytest.raises(SystemExit):
+        parser().parse_args(["export", "--model", "m", "--out", "o", "--fp8", "ff"])

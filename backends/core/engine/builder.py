@@ -23,7 +23,7 @@ from backends.core.engine.denoiser import TorchDenoiser
 from backends.core.engine.loop import DenoiseLoop, DenoiseResult
 from backends.core.engine.scheduler import SchedulerConfig
 from backends.core.request.params import GenerateParams, InvalidInput
-from backends.core.runtime.artifacts import load_unet_halves
+from backends.core.runtime.artifacts import UNET_DIR, load_unet_halves
 from backends.core.runtime.base import StepBatch, UNetRuntime
 from backends.core.runtime.config import RuntimeConfig
 from backends.core.runtime.placement import Placement
@@ -102,7 +102,9 @@ def _runtime(folder: Path, placement: Placement, config: RuntimeConfig) -> UNetR
         return eager
     from backends.core.runtime.torch_fast import FastUNetRuntime
 
-    return FastUNetRuntime(eager, config, cache_root=folder)
+    from backends.core.runtime.fp8 import CALIBRATION_FILE
+
+    return FastUNetRuntime(eager, config, cache_root=folder, fp8_calibration=folder / UNET_DIR / CALIBRATION_FILE)
 
 
 def build_denoiser(config: DenoiserConfig, folder: str | Path, placement: Placement,

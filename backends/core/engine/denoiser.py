@@ -334,10 +334,12 @@ class TorchDenoiser:
             (key,) = keys
             if key != self.merged:
                 self.lora_merger.merge(list(states[0].job.loras))  # an empty set restores the base
+                self.runtime.weights_written()
                 self.merged = key
             return ()
         if self.merged:
             self.lora_merger.restore()
+            self.runtime.weights_written()
             self.merged = ()
         segments, row = [], 0
         for s in states:

@@ -148,6 +148,10 @@ class UNetRuntime(Protocol):
     def refit(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Overwrite the named weights in place; graphs and engines stay valid."""
 
+    def weights_written(self) -> None:
+        """The weights were written in place by someone else (a LoRA merge or restore): refresh
+        what the runtime derived from them (FP8 copies)."""
+
 
 def check_batch(caps: RuntimeCaps, batch: StepBatch) -> None:
     if batch.token_masks is not None and not caps.token_subsets:

@@ -134,6 +134,11 @@ class CfgParallelRuntime:
         with self._on_secondary():
             self.secondary.refit(weights)
 
+    def weights_written(self) -> None:
+        self.primary.weights_written()
+        with self._on_secondary():
+            self.secondary.weights_written()
+
     def warmup(self, template: StepBatch, sizes, with_residuals: bool = False) -> float:
         """Capture (compile) both sides' buckets: they run at the same time, so the slower one counts."""
         seconds = [0.0, 0.0]

@@ -13,6 +13,8 @@ from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
 RUNTIME_KINDS = ("eager", "graphs", "compiled")
+# What of the transformer blocks runs as FP8 products (runtime/fp8.py); "all" names the three.
+FP8_PARTS = ("attention", "feed_forward", "projections")
 
 
 @dataclass(frozen=True)
@@ -39,12 +41,21 @@ class RuntimeConfig:
     packed_attention: bool = True
     # inductor's on-disk cache, relative to the model's version folder (or absolute).
     compile_cache: str = "compile_cache"
+    # The transformer blocks' products in FP8 with scales calibrated at load (runtime/fp8.py), for
+    # these parts of FP8_PARTS; empty: none (exact). Approximate: opt-in, measured by PSNR.
+    fp8: tuple[str, ...] = ()
 
     def __post_init__(self):
         if self.kind not in RUNTIME_KINDS:
             raise ValueError(f"runtime.kind: {self.kind!r} is not one of {list(RUNTIME_KINDS)}")
         object.__setattr__(self, "row_buckets", tuple(sorted(int(r) for r in self.row_buckets)))
         object.__setattr__(self, "warmup_sizes", tuple(tuple(int(d) for d in s) for s in self.warmup_sizes))
+        object.__setattr__(self, "fp8", tuple(self.fp8))
+        unknown = sorted(set(self.fp8) - set(FP8_PARTS))
+        if unknown:
+            raise ValueError(f"runtime.fp8: {unknown} not among {list(FP8_PARTS)}")
+        if self.fp8 and self.kind == "eager":
+            raise ValueError("runtime.fp8: needs a fast runtime (graphs or compiled), not eager")
         if not self.row_buckets or self.row_buckets[0] < 1:
             raise ValueError(f"runtime.row_buckets: {self.row_buckets} needs positive row counts")
         for size in self.warmup_sizes:

@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from backends.core.runtime.config import FP8_PARTS
+
 log = logging.getLogger(__name__)
 
 E4M3 = torch.float8_e4m3fn
@@ -73,9 +75,6 @@ class Fp8Linear(nn.Module):
 
     def extra_repr(self) -> str:
         return f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, bias={self.bias is not None}"
-
-
-FP8_PARTS = ("attention", "feed_forward", "projections")
 
 
 def use_fp8(unet: nn.Module, parts: tuple[str, ...] = FP8_PARTS) -> list[Fp8Linear]:
@@ -161,3 +160,72 @@ def calibrating(layers: list[Fp8Linear]):
         layer.set_input_range(amax)
     if unseen:
         log.warning("FP8 calibration: %d of %d layers saw no input", unseen, len(layers))
+
+
+# --- calibration data: written at export, read by the runtime at load ---
+
+CALIBRATION_FILE = "fp8_calibration.safetensors"  # in the UNet's artifacts folder
+# Prompts of the kinds people send (photo, painting, portrait, night scene): their text through
+# the model's own encoders is what the calibration's cross-attention sees.
+CALIBRATION_PROMPTS = (
+    "a photograph of a red fox in the snow at golden hour",
+    "an oil painting of a harbour town at dusk, thick brush strokes",
+    "a watercolor portrait of an old woman by a window, soft light",
+    "a city street at night in the rain, neon signs, cinematic",
+)
+# Spread over the training schedule: a request's steps visit all of it.
+CALIBRATION_TIMESTEPS = (999, 850, 700, 550, 400, 250, 100, 1)
+
+
+@torch.no_grad()
+def write_calibration(pipe, path, size: int) -> None:
+    """The calibration prompts through `pipe`'s text encoders, each beside its negative (the
+    empty prompt, as a request without one gets), with the time ids of a `size` px image."""
+    from safetensors.torch import save_file
+
+    embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
+        list(CALIBRATION_PROMPTS), device=pipe.device, do_classifier_free_guidance=True)
+    scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+    save_file({"text": torch.cat([negative, embeds]).contiguous(),
+               "pooled": torch.cat([negative_pooled, pooled]).contiguous(),
+               "time_ids": torch.tensor([[size, size, 0, 0, size, size]], dtype=torch.float32),
+               "latent_hw": torch.tensor([size // scale, size // scale])}, str(path))
+
+
+@torch.no_grad()
+def calibrate_from_file(layers: list[Fp8Linear], unet: nn.Module, encoder, decoder, path) -> float:
+    """Set the layers' input scales from the exact (fp16) halves run on the calibration file's
+    text, at CALIBRATION_TIMESTEPS, on unit-variance latents (what a sampler hands the UNet after
+    scaling: noise early, a clean latent late). Returns the seconds it took."""
+    import time
+    from pathlib import Path
+
+    from safetensors.torch import load_file
+
+    from backends.core.runtime.unet_split import split_forward
+
+    if not Path(path).is_file():
+        raise ValueError(f"runtime.fp8: no calibration data at {path} (easel export --fp8 writes it)")
+    weight = next(unet.parameters())
+    data = load_file(str(path), device=str(weight.device))
+    text, pooled = data["text"].to(weight.dtype), data["pooled"].to(weight.dtype)
+    rows = text.shape[0]
+    time_ids = data["time_ids"].to(weight.dtype).expand(rows, -1)
+    h, w = (int(v) for v in data["latent_hw"])
+    generator = torch.Generator().manual_seed(0)
+    start = time.perf_counter()
+    with calibrating(layers):
+        for t in CALIBRATION_TIMESTEPS:
+            sample = torch.randn(rows, unet.config.in_channels, h, w, generator=generator)
+            split_forward(encoder, decoder, sample.to(weight.device, weight.dtype),
+                          torch.full((rows,), float(t), device=weight.device), text, pooled, time_ids)
+    seconds = time.perf_counter() - start
+    log.info("FP8 calibration: %d layers, %d rows at %dx%d latents x %d timesteps, %.1f s",
+             len(layers), rows, h, w, len(CALIBRATION_TIMESTEPS), seconds)
+    return seconds
+
+
+def requantize(layers: list[Fp8Linear]) -> None:
+    """After the fp16 weights were written in place (a LoRA merge or restore, a refit)."""
+    for layer in layers:
+        layer.requantize()

@@ -50,6 +50,9 @@ class EagerUNetRuntime:
     def refit(self, weights: Mapping[str, torch.Tensor]) -> None:
         refit_in_place(self.weights_module, weights)
 
+    def weights_written(self) -> None:
+        return None  # nothing derived from the weights
+
     def _loras(self, batch: StepBatch):
         if not batch.lora_segments:
             return nullcontext()

@@ -70,7 +70,9 @@ class _Bucket:
 
 
 class FastUNetRuntime:
-    def __init__(self, eager: EagerUNetRuntime, config: RuntimeConfig, cache_root: Path | None = None):
+    def __init__(self, eager: EagerUNetRuntime, config: RuntimeConfig, cache_root: Path | None = None,
+                 fp8_calibration: Path | None = None):
+        """`fp8_calibration`: the data runtime/fp8.py calibrates on, when config.fp8 names parts."""
         if config.kind not in ("graphs", "compiled"):
             raise ValueError(f"runtime.kind: {config.kind!r} is not a fast runtime")
         device = next(eager.weights_module.parameters()).device
@@ -95,6 +97,9 @@ class FastUNetRuntime:
             self.weights_module.to(memory_format=torch.channels_last)
         # After any .to(): the packed weights are views that a move would copy apart.
         self.text_projections = pack_attention(self.weights_module) if config.packed_attention else None
+        self.fp8_layers: list = []
+        if config.fp8:
+            self._use_fp8(fp8_calibration)
         # (rows, text tokens) -> the packed projections buckets of that many rows read, shared by
         # every latent size, and (the batch's text_key, weights version) they hold.
         self._text: dict[tuple[int, int], torch.Tensor] = {}
@@ -103,6 +108,16 @@ class FastUNetRuntime:
         self.enc_fn, self.dec_fn = eager.encoder, eager.decoder
         if config.kind == "compiled":
             self._compile(cache_root)
+
+    def _use_fp8(self, calibration: Path | None) -> None:
+        from backends.core.adapters.lora import ModelLayers
+        from backends.core.runtime.fp8 import calibrate_from_file, use_fp8
+
+        self.fp8_layers = use_fp8(self.weights_module, self.config.fp8)
+        # The eager runtime's index of layers must hold the FP8 modules now in the tree: a batch
+        # that mixes LoRAs hooks its low-rank terms onto them.
+        self.eager.layers = ModelLayers(self.weights_module)
+        calibrate_from_file(self.fp8_layers, self.weights_module, self.eager.encoder, self.eager.decoder, calibration)
 
     def _compile(self, cache_root: Path | None) -> None:
         cache = Path(self.config.compile_cache)
@@ -151,6 +166,13 @@ class FastUNetRuntime:
     def refit(self, weights: Mapping[str, torch.Tensor]) -> None:
         refit_in_place(self.weights_module, weights)
         self._weights_version += 1  # the text projections were made with the old weights
+        self.weights_written()
+
+    def weights_written(self) -> None:
+        if self.fp8_layers:
+            from backends.core.runtime.fp8 import requantize
+
+            requantize(self.fp8_layers)
 
     def text_input(self, batch: StepBatch) -> torch.Tensor:
         """What the halves take for the batch's text: its packed projections, or the text itself."""
