@@ -19,7 +19,7 @@ from safetensors.torch import load_file
 
 from backends.core.runtime.artifacts import load_unet_halves
 from backends.core.runtime.config import FP8_PARTS, RuntimeConfig
-from backends.core.runtime.fp8 import (CALIBRATION_FILE, CALIBRATION_PROMPTS, Fp8Linear, calibrate_from_file,
+from backends.core.runtime.fp8 import (CALIBRATION_FILE, CALIBRATION_PROMPTS, HEADROOM, Fp8Linear, calibrate_from_file,
                                        calibrating, use_fp8, write_calibration)
 from backends.core.runtime.packed_attention import PackedSelfAttnProcessor, pack_attention
 from backends.core.runtime.placement import Placement
@@ -48,7 +48,10 @@ def test_an_fp8_product_stays_near_the_exact_one():
     assert float(fp8.x_amax) == pytest.approx(float(x.abs().max()))
     error = rel_rms(fp8(x), lin(x))
     assert 1e-3 < error <= 0.08, f"relative RMS error {error:.4f}"
-    # Past the calibrated range the input saturates: wrong, but finite (an unclamped e4m3 cast gives NaN).
+    # Inputs up to HEADROOM times the calibrated range keep their precision; tiny ones too.
+    assert rel_rms(fp8(x * HEADROOM), lin(x * HEADROOM)) <= 0.08
+    assert rel_rms(fp8(x / 1000) - lin.bias, lin(x / 1000) - lin.bias) <= 0.08
+    # Further out the input saturates: wrong, but finite (an unclamped e4m3 cast gives NaN).
     assert torch.isfinite(fp8(x * 100)).all()
 
 
