@@ -39,6 +39,9 @@ def main() -> None:
     p = bench_parser(__doc__, size=1024, steps=50)
     p.add_argument("--iters", type=int, default=10)
     p.add_argument("--variants", default="fp16,fp8,fp8-ff", help=f"from {list(VARIANTS)}; fp16 first")
+    p.add_argument("--fp16-kind", choices=("compiled", "graphs"), default="compiled",
+                   help="fp16's runtime: graphs (exact, no compile: minutes sooner) for the errors alone, "
+                        "without a step ratio")
     args = p.parse_args()
     start_logging()
     variants = args.variants.split(",")
@@ -108,9 +111,10 @@ def main() -> None:
     for name in variants:
         eager = EagerUNetRuntime(*load_unet_halves(folder, where))
         start = time.perf_counter()
-        runtime = FastUNetRuntime(eager, RuntimeConfig(kind="compiled", row_buckets=(2,), fp8=VARIANTS[name] or ()),
+        kind = args.fp16_kind if name == "fp16" else "compiled"
+        runtime = FastUNetRuntime(eager, RuntimeConfig(kind=kind, row_buckets=(2,), fp8=VARIANTS[name] or ()),
                                   cache_root=args.work / "cache", fp8_calibration=calibration)
-        entry = report["variants"][name] = {"load_s": time.perf_counter() - start}
+        entry = report["variants"][name] = {"kind": kind, "load_s": time.perf_counter() - start}
         if runtime.fp8_layers:
             layers = runtime.fp8_layers
             entry.update(fp8_linears=len(layers), input_amax={"min": min(float(x.x_amax) for x in layers),
@@ -128,17 +132,21 @@ def main() -> None:
         log.info("%s: step %.2f ms (replayed), warm-up %.0f s", name, entry["step_ms"], entry["warmup_s"])
         if name == "fp16":
             entry["eager_noise_rms_rel_error"] = rel_rms(noise(eager, batch), predicted)
-            log.info("fp16 eager against compiled: noise error rms %.3g", entry["eager_noise_rms_rel_error"])
+            log.info("fp16 eager against %s: noise error rms %.3g", kind, entry["eager_noise_rms_rel_error"])
         else:
             noise16, image16, latents16 = outputs["fp16"]
+            # The same FP8 modules run eager: tells the quantization's error from the compiler's.
+            entry["noise_rms_rel_error_of_fp8_eager"] = rel_rms(noise(eager, batch), noise16)
+            log.info("%s eager against fp16: noise error rms %.3g", name, entry["noise_rms_rel_error_of_fp8_eager"])
             entry.update(
-                step_ratio_over_fp16=entry["step_ms"] / report["variants"]["fp16"]["step_ms"],
+                step_ratio_over_fp16=(entry["step_ms"] / report["variants"]["fp16"]["step_ms"]
+                                      if args.fp16_kind == "compiled" else None),
                 noise_max_rel_error=float((predicted - noise16).abs().max() / noise16.abs().max()),
                 noise_rms_rel_error=rel_rms(predicted, noise16),
                 # The denoised latents say more than the image: a random VAE saturates much of it.
                 latents_rms_rel_error=rel_rms(outputs[name][2], latents16),
                 image_psnr_db=psnr(image, image16))
-            log.info("%s / fp16 step: %.3f; noise error max %.3g rms %.3g; latents rms %.3g; image PSNR %.1f dB",
+            log.info("%s / fp16 step: %s; noise error max %.3g rms %.3g; latents rms %.3g; image PSNR %.1f dB",
                      name, entry["step_ratio_over_fp16"], entry["noise_max_rel_error"], entry["noise_rms_rel_error"],
                      entry["latents_rms_rel_error"], entry["image_psnr_db"])
         runtime = eager = None  # before the next variant's UNet is loaded
