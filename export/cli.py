@@ -122,7 +122,7 @@ def parser() -> argparse.ArgumentParser:
                      help="the whole VAE's dtype (default: diffusers', fp32 for SDXL's upcast VAE); bf16 is "
                           "approximate and faster")
     exp.add_argument("--fp8", type=_fp8_parts, default=(),
-                     help="the transformer blocks' products in FP8 with calibrated scales (approximate, faster): "
+                     help="experimental: the transformer blocks' products in FP8 with calibrated scales (approximate, faster; README): "
                           "comma-separated parts of attention,feed_forward,projections, or all (default: none)")
     prof = sub.add_parser("profile-lora", help="measure each LoRA's bound K (steps it may join late) for a repository")
     prof.add_argument("--repo", required=True, help="a model repository exported with --adapters")

@@ -72,6 +72,19 @@ def test_requantize_follows_an_in_place_weight_write():
     assert rel_rms(fp8(x), lin(x)) <= 0.08
 
 
+@torch.no_grad()
+def test_a_small_input_range_in_fp16_stays_finite():
+    """The input's multiplier (448 / range) is applied in fp32: in fp16 it overflows below 0.0017."""
+    lin = linear().half()
+    x = (torch.randn(8, 64) * 1e-4).half()
+    fp8 = Fp8Linear(lin.weight, None)
+    with calibrating([fp8]):
+        fp8(x)
+    got = fp8(x)
+    assert got.dtype == torch.float16 and torch.isfinite(got).all()
+    assert rel_rms(got.float(), torch.nn.functional.linear(x.float(), lin.weight.float())) <= 0.08
+
+
 def test_dimensions_must_be_multiples_of_16():
     with pytest.raises(ValueError, match="multiples of 16"):
         Fp8Linear(torch.zeros(24, 64), None)

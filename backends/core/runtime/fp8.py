@@ -48,7 +48,8 @@ class Fp8Linear(nn.Module):
         self.register_buffer("w8", torch.empty(weight.shape, dtype=E4M3, device=weight.device))
         self.register_buffer("w_scale", torch.ones((), dtype=torch.float32, device=weight.device))
         self.register_buffer("x_scale", torch.ones((), dtype=torch.float32, device=weight.device))
-        self.register_buffer("x_inverse", torch.ones((), dtype=weight.dtype, device=weight.device))
+        # fp32: as an fp16 multiplier, 448 / (HEADROOM * amax) overflows for ranges under 0.0017.
+        self.register_buffer("x_inverse", torch.ones((), dtype=torch.float32, device=weight.device))
         self.register_buffer("x_amax", torch.zeros((), dtype=torch.float32, device=weight.device))
         self.calibrating = False
         self.requantize()
@@ -71,7 +72,8 @@ class Fp8Linear(nn.Module):
             self.x_amax.copy_(torch.maximum(self.x_amax, x.detach().abs().amax().float()))
             return F.linear(x, self.weight, self.bias)
         rows = x.reshape(-1, x.shape[-1])
-        x8 = (rows * self.x_inverse).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+        # In fp32, fused under compile into the kernel that wrote x (eager: one fp32 temporary).
+        x8 = (rows.float() * self.x_inverse).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
         y = torch._scaled_mm(x8, self.w8.t(), scale_a=self.x_scale, scale_b=self.w_scale, out_dtype=x.dtype)
         if self.bias is not None:
             y = y + self.bias
