@@ -98,3 +98,8 @@ def http_client(server):
 def metric_values(server, name: str) -> dict[str, float]:
     """The values of one Prometheus metric on the server's metrics port, by label set."""
     return scrape_metrics(server.metrics_port, [name])[name]
+
+
+def metric_total(server, name: str) -> float:
+    """One Prometheus metric on the server's metrics port, summed over its label sets."""
+    return sum(metric_values(server, name).values())

@@ -11,19 +11,15 @@ import tritonclient.grpc as grpcclient
 from tritonclient.utils import InferenceServerException
 
 from clients.client import EaselClient, EaselError, GenerateRequest, build_inputs
-from tests.server.conftest import metric_values
+from tests.server.conftest import metric_total, metric_values
 
 LONG = dict(seed=1, steps=200, width=256, height=256)  # several seconds of CPU denoising (3.6 s on 2 cores)
-
-
-def total(server, name: str) -> float:
-    return sum(metric_values(server, name).values())
 
 
 def counters(server) -> tuple[float, float]:
     cancelled = sum(v for labels, v in metric_values(server, "easel_requests_total").items()
                     if 'outcome="cancelled"' in labels)
-    return cancelled, total(server, "easel_denoise_steps_total")
+    return cancelled, metric_total(server, "easel_denoise_steps_total")
 
 
 def wait_for_cancel(server, before: tuple[float, float], timeout: float = 30.0) -> float:
@@ -70,12 +66,12 @@ def test_a_grpc_cancel_of_a_unary_request_stops_the_denoiser(server):
     before = counters(server)
     # Steps reach easel_denoise_steps_total when a request ends; the step histogram counts them as
     # they run (flushed every 0.5 s).
-    ran = total(server, "easel_denoiser_step_rows_count")
+    ran = metric_total(server, "easel_denoiser_step_rows_count")
     client = grpcclient.InferenceServerClient(server.url_grpc)
     inputs = build_inputs(GenerateRequest("a lighthouse", **LONG), "grpc")
     call = client.async_infer("easel", inputs, callback=lambda result, error: None)
     end = time.monotonic() + 60
-    while total(server, "easel_denoiser_step_rows_count") < ran + 2:
+    while metric_total(server, "easel_denoiser_step_rows_count") < ran + 2:
         assert time.monotonic() < end, "the denoiser never started the request"
         time.sleep(0.1)
     call.cancel()

@@ -8,13 +8,9 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 
 from clients.client import EaselClient, EaselError
-from tests.server.conftest import metric_values
+from tests.server.conftest import metric_total, metric_values
 from tests.server.test_controlnet import png
 from tests.server.test_exact import pixels
-
-
-def metric(server, name: str) -> float:
-    return sum(metric_values(server, name).values())
 
 
 def test_two_denoisers_share_one_controlnet_service(shared, server):
@@ -28,7 +24,7 @@ def test_two_denoisers_share_one_controlnet_service(shared, server):
 
     counters = {"hits": "easel_controlnet_cache_hits_total", "misses": "easel_controlnet_cache_misses_total",
                 "calls": "easel_controlnet_calls_total"}
-    before = {k: metric(shared, name) for k, name in counters.items()}
+    before = {k: metric_total(shared, name) for k, name in counters.items()}
     # `easel` sends each to the denoiser with the least outstanding work: concurrent equal requests
     # spread over both; rounds go on until both have served.
     results = []
@@ -41,15 +37,15 @@ def test_two_denoisers_share_one_controlnet_service(shared, server):
     # 3 steps x one ControlNet call per row (this server's denoisers split guidance over two sides,
     # and the ControlNets with it: test_cfg_parallel.py), at most one miss per instance.
     calls = 3 * 2 * len(results)
-    delta = {k: metric(shared, name) - before[k] for k, name in counters.items()}
+    delta = {k: metric_total(shared, name) - before[k] for k, name in counters.items()}
     assert delta["hits"] + delta["misses"] == calls and delta["misses"] <= 2
-    assert metric(shared, "easel_controlnet_resident") >= 1
+    assert metric_total(shared, "easel_controlnet_resident") >= 1
     # Where the time went: the denoisers count the same calls, whose BLS wall time covers the
     # service's own time; the decoder half waited some of it.
     assert delta["calls"] == calls
-    call_s, compute_s = (metric(shared, f"easel_controlnet_{k}_seconds_total") for k in ("call", "compute"))
+    call_s, compute_s = (metric_total(shared, f"easel_controlnet_{k}_seconds_total") for k in ("call", "compute"))
     assert call_s >= compute_s > 0
-    assert 0 < metric(shared, "easel_controlnet_wait_seconds_total") <= call_s
+    assert 0 < metric_total(shared, "easel_controlnet_wait_seconds_total") <= call_s
 
 
 def test_broken_controlnet_file_fails_its_request_only(shared):

@@ -19,7 +19,7 @@ from diffusers import StableDiffusionXLPipeline
 
 from clients.client import EaselClient, EaselError
 from tests.reference import max_abs_diff
-from tests.server.conftest import PAPERCUT_LAYER
+from tests.server.conftest import PAPERCUT_LAYER, metric_total
 from tests.server.test_controlnet import png
 from tests.server.test_exact import TOLERANCE, pixels
 
@@ -115,12 +115,7 @@ def test_info_says_where_the_lora_landed(server, http_client):
     """With its loaders stopped (SIGSTOP), a request at bound 0 is held before its first step until they
     resume: its info and the wait metrics count that hold. (Unstopped, a tiny LoRA may finish loading
     before the request's first step, and then nothing is held: a 0 s wait is right there.)"""
-    from tests.server.conftest import metric_values
-
-    def value(name):
-        return sum(metric_values(server, name).values())
-
-    before = {n: value(n) for n in ("easel_lora_bound_waits_total", "easel_lora_bound_wait_seconds_total")}
+    before = {n: metric_total(server, n) for n in ("easel_lora_bound_waits_total", "easel_lora_bound_wait_seconds_total")}
     loaders = _loaders(server)
     hold = 1.0
     with ThreadPoolExecutor(1) as pool:
@@ -130,7 +125,7 @@ def test_info_says_where_the_lora_landed(server, http_client):
             reply = pool.submit(_generate, server.url_http, "a fox", seed=1, steps=2, width=64, height=64,
                                 loras=("papercut",))
             deadline = time.monotonic() + 30
-            while value("easel_denoiser_pending") < 1:  # admitted; no load can end while its loaders stop
+            while metric_total(server, "easel_denoiser_pending") < 1:  # admitted; no load can end while its loaders stop
                 assert time.monotonic() < deadline and not reply.done(), "the request never reached the denoiser"
                 time.sleep(0.05)
             time.sleep(hold)
@@ -141,27 +136,22 @@ def test_info_says_where_the_lora_landed(server, http_client):
     assert info["lora_merged_at_step"] == 0  # bound 0: the request waits for its LoRA
     # Held from its first schedule, a moment after admission, to the step after the loaders resumed.
     assert hold / 2 < info["lora_wait_s"] < 30
-    assert value("easel_lora_bound_waits_total") - before["easel_lora_bound_waits_total"] == 1
-    assert value("easel_lora_bound_wait_seconds_total") - before["easel_lora_bound_wait_seconds_total"] \
+    assert metric_total(server, "easel_lora_bound_waits_total") - before["easel_lora_bound_waits_total"] == 1
+    assert metric_total(server, "easel_lora_bound_wait_seconds_total") - before["easel_lora_bound_wait_seconds_total"] \
         == pytest.approx(info["lora_wait_s"], rel=1e-6)
     plain = http_client.generate("a fox", seed=1, steps=2, width=64, height=64).info
     assert plain["lora_merged_at_step"] is None and plain["lora_wait_s"] == 0
 
 
 def test_lora_metrics(server, http_client):
-    from tests.server.conftest import metric_values
-
-    def value(name):
-        return sum(metric_values(server, name).values())
-
-    before = {n: value(n) for n in ("easel_lora_loads_total", "easel_lora_loaded_bytes_total",
+    before = {n: metric_total(server, n) for n in ("easel_lora_loads_total", "easel_lora_loaded_bytes_total",
                                     "easel_lora_merged_requests_total")}
     http_client.generate("a fox", seed=1, steps=2, width=64, height=64, loras=("papercut", "inkwash"))
-    assert value("easel_lora_loads_total") - before["easel_lora_loads_total"] == 2
-    assert value("easel_lora_loaded_bytes_total") > before["easel_lora_loaded_bytes_total"]
-    assert value("easel_lora_merged_requests_total") - before["easel_lora_merged_requests_total"] == 1
-    assert value("easel_lora_load_seconds_total") > 0
-    assert value("easel_lora_merge_seconds_total") > 0
+    assert metric_total(server, "easel_lora_loads_total") - before["easel_lora_loads_total"] == 2
+    assert metric_total(server, "easel_lora_loaded_bytes_total") > before["easel_lora_loaded_bytes_total"]
+    assert metric_total(server, "easel_lora_merged_requests_total") - before["easel_lora_merged_requests_total"] == 1
+    assert metric_total(server, "easel_lora_load_seconds_total") > 0
+    assert metric_total(server, "easel_lora_merge_seconds_total") > 0
 
 
 def _generate(url: str, prompt: str, **req):
