@@ -31,14 +31,20 @@ def start_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
 
-def random_sdxl(work: Path) -> Path:
-    """SDXL base's architecture with random fp16 weights, drawn on the GPU (seconds, not minutes)."""
+def random_sdxl(work: Path, device: str = "cuda") -> Path:
+    """SDXL base's architecture with random fp16 weights, drawn on `device` (seconds on a GPU, a
+    minute on a CPU; the draws differ between the two)."""
     from export.tiny import write_tiny_pipeline
 
     model = work / "sdxl-random"
     if not (model / "model_index.json").exists():
-        write_tiny_pipeline(model, seed=0, variant="sdxl", device="cuda", dtype="fp16")
+        write_tiny_pipeline(model, seed=0, variant="sdxl", device=device, dtype="fp16")
     return model
+
+
+def rel_rms(got, want) -> float:
+    """RMS of the difference against the RMS of `want` (tensors)."""
+    return float((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
 
 
 def random_sdxl_denoiser(work: Path) -> Path:

@@ -19,14 +19,10 @@ import time
 
 import torch
 
-from bench.common import bench_parser, start_logging, write_json
+from bench.common import bench_parser, random_sdxl, rel_rms, start_logging, write_json
 
 log = logging.getLogger("bench.fp8_fidelity")
 PROMPT = "a lighthouse on a cliff in a storm, dramatic clouds"
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
 
 
 def main() -> None:
@@ -38,12 +34,9 @@ def main() -> None:
 
     import backends.core.runtime.fp8 as fp8
     from backends.core.runtime.unet_split import split_unet
-    from export.tiny import write_tiny_pipeline
 
     start = time.perf_counter()
-    model = args.work / "sdxl-random"
-    if not (model / "model_index.json").exists():  # bench.common.random_sdxl's weights (seed 0), drawn here
-        write_tiny_pipeline(model, seed=0, variant="sdxl", device=args.device, dtype="fp16")
+    model = random_sdxl(args.work, args.device)
     dtype = torch.float32 if args.device == "cpu" else torch.float16
     pipe = StableDiffusionXLPipeline.from_pretrained(model, dtype=dtype).to(args.device)
     calibration = args.work / fp8.CALIBRATION_FILE
@@ -87,13 +80,11 @@ def main() -> None:
     layers = fp8.use_fp8(unet)
     encoder, decoder = split_unet(unet)
     fp8.calibrate_from_file(layers, unet, encoder, decoder, calibration)
-    amax = [float(layer.x_amax) for layer in layers]
     report = {"device": args.device, "dtype": str(dtype), "size": args.size, "fp8_linears": len(layers),
               "headroom": fp8.HEADROOM, "noise_rms_rel_error": {}}
     for headroom in (fp8.HEADROOM, 1.0):
-        for layer, a in zip(layers, amax):
-            layer.x_scale.fill_(max(a, 1e-12) * headroom / fp8.E4M3_MAX)
-            layer.x_inverse.fill_(1.0 / float(layer.x_scale))
+        for layer in layers:
+            layer.set_input_range(float(layer.x_amax), headroom)
         for which in texts:
             for t in timesteps:
                 reach = []  # each layer's largest input against its calibrated range

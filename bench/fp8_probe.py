@@ -20,19 +20,19 @@ reduction pass per product that cost more than FP8 saved.
 
 from __future__ import annotations
 
-import json
 import logging
 import statistics
 import time
 
 import torch
 
-from bench.common import bench_parser, random_sdxl, random_sdxl_denoiser, start_logging
+from backends.core.runtime.config import FP8_PARTS
+from bench.common import bench_parser, random_sdxl, random_sdxl_denoiser, rel_rms, start_logging, write_json
 from bench.runtime_micro import gpu_ms
 
 log = logging.getLogger("bench.fp8_probe")
 PROMPTS = ("a lighthouse on a cliff in a storm, dramatic clouds", "a bowl of ramen on a wooden table, top view")
-VARIANTS = {"fp16": None, "fp8": ("attention", "feed_forward", "projections"), "fp8-ff": ("feed_forward",)}
+VARIANTS = {"fp16": None, "fp8": FP8_PARTS, "fp8-ff": ("feed_forward",)}
 
 
 def main() -> None:
@@ -56,7 +56,7 @@ def main() -> None:
     from backends.core.runtime.artifacts import load_unet_halves
     from backends.core.runtime.base import StepBatch
     from backends.core.runtime.config import RuntimeConfig
-    from backends.core.runtime.fp8 import write_calibration
+    from backends.core.runtime.fp8 import CALIBRATION_FILE, write_calibration
     from backends.core.runtime.placement import Placement
     from backends.core.runtime.torch_eager import EagerUNetRuntime
     from backends.core.runtime.torch_fast import FastUNetRuntime
@@ -64,7 +64,7 @@ def main() -> None:
     from backends.core.stages.vae_decoding import LatentDecoder
 
     model, folder = random_sdxl(args.work), random_sdxl_denoiser(args.work)
-    calibration = args.work / "fp8_calibration.safetensors"
+    calibration = args.work / CALIBRATION_FILE
     pipe = StableDiffusionXLPipeline.from_pretrained(model, dtype=torch.float16).to("cuda")
     write_calibration(pipe, calibration, args.size)  # what `easel export --fp8` writes
     # The measured text comes from the model's own encoders too, for prompts that are not the
@@ -97,9 +97,6 @@ def main() -> None:
         with torch.inference_mode():
             return runtime.decode(batch, runtime.encode(batch), None).float()
 
-    def rel_rms(a, b):
-        return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
-
     g = torch.Generator().manual_seed(3)  # one batch for every variant, drawn on the CPU
     dev = torch.device("cuda:0")
     batch = StepBatch(torch.randn(2, 4, latent, latent, generator=g).to(dev, torch.float16),
@@ -129,7 +126,8 @@ def main() -> None:
         latents = denoise(runtime, request(1, args.steps, 1))
         image = vae.decode(latents)
         entry.update(step_ms=statistics.median(step), step_ms_all=step)
-        outputs[name] = (predicted, image, torch.as_tensor(latents).float())
+        latents = torch.as_tensor(latents).float()
+        outputs[name] = (predicted, image, latents)
         log.info("%s: step %.2f ms (replayed), warm-up %.0f s", name, entry["step_ms"], entry["warmup_s"])
         if name == "fp16":
             entry["eager_noise_rms_rel_error"] = rel_rms(noise(eager, batch), predicted)
@@ -145,15 +143,14 @@ def main() -> None:
                 noise_max_rel_error=float((predicted - noise16).abs().max() / noise16.abs().max()),
                 noise_rms_rel_error=rel_rms(predicted, noise16),
                 # The denoised latents say more than the image: a random VAE saturates much of it.
-                latents_rms_rel_error=rel_rms(outputs[name][2], latents16),
+                latents_rms_rel_error=rel_rms(latents, latents16),
                 image_psnr_db=psnr(image, image16))
             log.info("%s / fp16 step: %s; noise error max %.3g rms %.3g; latents rms %.3g; image PSNR %.1f dB",
                      name, entry["step_ratio_over_fp16"], entry["noise_max_rel_error"], entry["noise_rms_rel_error"],
                      entry["latents_rms_rel_error"], entry["image_psnr_db"])
         runtime = eager = None  # before the next variant's UNet is loaded
         torch.cuda.empty_cache()
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps(report, indent=2))  # after each variant: a later one may not finish
+        write_json(args.out, report)  # after each variant: a later one may not finish
 
 
 if __name__ == "__main__":

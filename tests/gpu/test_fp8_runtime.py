@@ -25,14 +25,10 @@ from backends.core.runtime.placement import Placement
 from backends.core.runtime.torch_eager import EagerUNetRuntime
 from export.repository import ExportOptions, export_repository
 from tests.gpu.test_fast_runtime import TOL, batch, rel_err, step
+from tests.unit.test_fp8 import rel_rms
 
 pytestmark = pytest.mark.gpu
 CONFIG = RuntimeConfig(kind="graphs", row_buckets=(2,), fp8=FP8_PARTS)
-
-
-def rel_rms(a: torch.Tensor, b: torch.Tensor) -> float:
-    a, b = a.float(), b.float()
-    return float((a - b).pow(2).mean().sqrt() / b.pow(2).mean().sqrt())
 
 
 @pytest.fixture(scope="module")

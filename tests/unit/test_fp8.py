@@ -30,6 +30,7 @@ from tests.unit.test_packed_attention import inputs
 
 
 def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
+    got, want = got.float(), want.float()
     return float((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
 
 

@@ -100,9 +100,8 @@ def _runtime(folder: Path, placement: Placement, config: RuntimeConfig) -> UNetR
     eager = EagerUNetRuntime(*load_unet_halves(folder, placement))
     if config.kind == "eager":
         return eager
-    from backends.core.runtime.torch_fast import FastUNetRuntime
-
     from backends.core.runtime.fp8 import CALIBRATION_FILE
+    from backends.core.runtime.torch_fast import FastUNetRuntime
 
     return FastUNetRuntime(eager, config, cache_root=folder, fp8_calibration=folder / UNET_DIR / CALIBRATION_FILE)
 

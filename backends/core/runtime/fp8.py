@@ -34,6 +34,11 @@ E4M3_MAX = 448.0  # the largest finite e4m3fn value
 HEADROOM = 4.0
 
 
+def fits_e4m3(weight: torch.Tensor) -> bool:
+    """Whether an e4m3 product (torch._scaled_mm) takes a weight of this shape."""
+    return weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
+
+
 class Fp8Linear(nn.Module):
     """y = x W^T + b as one e4m3 product with per-tensor scales: W's from its own amax, x's from
     the amax seen while calibrating (times HEADROOM). A value past that range saturates (the cast
@@ -41,7 +46,7 @@ class Fp8Linear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
-        if weight.shape[0] % 16 or weight.shape[1] % 16:
+        if not fits_e4m3(weight):
             raise ValueError(f"an FP8 product needs dimensions that are multiples of 16, not {tuple(weight.shape)}")
         self.weight = weight  # the fp16 weight (a Parameter or a view of a packed one): refit writes it
         self.bias = bias
@@ -62,8 +67,8 @@ class Fp8Linear(nn.Module):
         self.w8.copy_((w / self.w_scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3))
 
     @torch.no_grad()
-    def set_input_range(self, amax: float) -> None:
-        scale = max(amax, 1e-12) * HEADROOM / E4M3_MAX
+    def set_input_range(self, amax: float, headroom: float = HEADROOM) -> None:
+        scale = max(amax, 1e-12) * headroom / E4M3_MAX
         self.x_scale.fill_(scale)
         self.x_inverse.fill_(1.0 / scale)
 
@@ -101,22 +106,17 @@ def use_fp8(unet: nn.Module, parts: tuple[str, ...] = FP8_PARTS) -> list[Fp8Line
 
     def fits(weight: torch.Tensor) -> bool:
         nonlocal kept
-        ok = weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
-        kept += not ok
-        return ok
+        kept += not fits_e4m3(weight)
+        return fits_e4m3(weight)
 
     def swap(owner: nn.Module, attr: str) -> None:
-        linear = getattr(owner, attr) if not attr.isdigit() else owner[int(attr)]
-        if type(linear) is not nn.Linear or not fits(linear.weight):
-            return
-        fp8 = Fp8Linear(linear.weight, linear.bias)
-        if attr.isdigit():
-            owner[int(attr)] = fp8
-        else:
-            setattr(owner, attr, fp8)
-        swapped.append(fp8)
+        # getattr/setattr by name also reach a ModuleList's or Sequential's items ("0", "2").
+        linear = getattr(owner, attr)
+        if type(linear) is nn.Linear and fits(linear.weight):
+            setattr(owner, attr, Fp8Linear(linear.weight, linear.bias))
+            swapped.append(getattr(owner, attr))
 
-    for module in unet.modules():
+    for module in list(unet.modules()):  # (the walk swaps children as it goes)
         if isinstance(module, Transformer2DModel) and "projections" in parts:
             swap(module, "proj_in")
             swap(module, "proj_out")
@@ -199,10 +199,10 @@ def write_calibration(pipe, path, size: int) -> None:
 
 
 @torch.no_grad()
-def calibrate_from_file(layers: list[Fp8Linear], unet: nn.Module, encoder, decoder, path) -> float:
+def calibrate_from_file(layers: list[Fp8Linear], unet: nn.Module, encoder, decoder, path) -> None:
     """Set the layers' input scales from the exact (fp16) halves run on the calibration file's
     text, at CALIBRATION_TIMESTEPS, on unit-variance latents (what a sampler hands the UNet after
-    scaling: noise early, a clean latent late). Returns the seconds it took."""
+    scaling: noise early, a clean latent late)."""
     import time
     from pathlib import Path
 
@@ -225,13 +225,6 @@ def calibrate_from_file(layers: list[Fp8Linear], unet: nn.Module, encoder, decod
             sample = torch.randn(rows, unet.config.in_channels, h, w, generator=generator)
             split_forward(encoder, decoder, sample.to(weight.device, weight.dtype),
                           torch.full((rows,), float(t), device=weight.device), text, pooled, time_ids)
-    seconds = time.perf_counter() - start
     log.info("FP8 calibration: %d layers, %d rows at %dx%d latents x %d timesteps, %.1f s",
-             len(layers), rows, h, w, len(CALIBRATION_TIMESTEPS), seconds)
-    return seconds
+             len(layers), rows, h, w, len(CALIBRATION_TIMESTEPS), time.perf_counter() - start)
 
-
-def requantize(layers: list[Fp8Linear]) -> None:
-    """After the fp16 weights were written in place (a LoRA merge or restore, a refit)."""
-    for layer in layers:
-        layer.requantize()

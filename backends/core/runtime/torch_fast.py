@@ -169,10 +169,8 @@ class FastUNetRuntime:
         self.weights_written()
 
     def weights_written(self) -> None:
-        if self.fp8_layers:
-            from backends.core.runtime.fp8 import requantize
-
-            requantize(self.fp8_layers)
+        for layer in self.fp8_layers:  # the e4m3 copies of the fp16 weights just written
+            layer.requantize()
 
     def text_input(self, batch: StepBatch) -> torch.Tensor:
         """What the halves take for the batch's text: its packed projections, or the text itself."""
