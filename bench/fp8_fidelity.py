@@ -19,6 +19,7 @@ import time
 
 import torch
 
+import backends.core.runtime.fp8 as fp8
 from bench.common import bench_parser, random_sdxl, rel_rms, start_logging, write_json
 
 log = logging.getLogger("bench.fp8_fidelity")
@@ -32,7 +33,6 @@ def main() -> None:
     start_logging()
     from diffusers import StableDiffusionXLPipeline
 
-    import backends.core.runtime.fp8 as fp8
     from backends.core.runtime.unet_split import split_unet
 
     start = time.perf_counter()
@@ -104,8 +104,57 @@ def main() -> None:
             report[f"latents_rms_rel_error_{args.steps}_steps"] = rel_rms(trajectory(), exact_latents)
             log.info("denoised latents after %d steps: error %.4f", args.steps,
                      report[f"latents_rms_rel_error_{args.steps}_steps"])
+    for layer in layers:
+        layer.set_input_range(float(layer.x_amax))
+    report["diagnosis_t500"] = {which: diagnose(layers, unet, lambda w=which: eps(sample, 500.0, w),
+                                                exact[which, 500.0]) for which in texts}
     report["seconds"] = time.perf_counter() - start
     write_json(args.out, report)
+
+
+def diagnose(layers, unet, run, exact) -> dict:
+    """Where FP8's error comes from, on one evaluation: each product's own error (against the
+    exact product of the very input it got, so the error it adds, not the one it inherits), and
+    the whole noise again with every product emulated (e4m3 values multiplied in fp32), which
+    tells the quantization from the e4m3 kernel (torch._scaled_mm)."""
+    import torch.nn.functional as F
+
+    names = {id(m): n for n, m in unet.named_modules()}
+    own = []
+
+    def note(m, args, y):
+        x = args[0]
+        want = F.linear(x.float(), m.weight.float(), None if m.bias is None else m.bias.float())
+        own.append((names.get(id(m), f"layers[{layers.index(m)}]"), rel_rms(y.float(), want),
+                    float(x.abs().max()) / float(m.x_amax)))
+
+    hooks = [layer.register_forward_hook(note) for layer in layers]
+    error = rel_rms(run(), exact)
+    for hook in hooks:
+        hook.remove()
+    worst = sorted(own, key=lambda e: -e[1])[:8]
+
+    def emulated(m, x):
+        rows = x.reshape(-1, x.shape[-1])
+        x8 = (rows.float() * m.x_inverse).clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(fp8.E4M3)
+        y = (x8.float() * m.x_scale) @ (m.w8.float() * m.w_scale).t()
+        if m.bias is not None:
+            y = y + m.bias.float()
+        return y.to(x.dtype).reshape(*x.shape[:-1], m.weight.shape[0])
+
+    for layer in layers:
+        layer.forward = lambda x, m=layer: emulated(m, x)
+    emulated_error = rel_rms(run(), exact)
+    for layer in layers:
+        del layer.forward
+    errors = sorted(e for _, e, _ in own)
+    result = {"noise_rms_rel_error": error, "noise_rms_rel_error_emulated": emulated_error,
+              "own_error_median": errors[len(errors) // 2], "own_error_max": errors[-1],
+              "worst_layers": [{"layer": n, "own_error": e, "input_over_range": r} for n, e, r in worst]}
+    log.info("diagnosis: noise %.4f (emulated products %.4f); each product's own error median %.4f, max %.4f; "
+             "worst %s", error, emulated_error, result["own_error_median"], errors[-1],
+             [(n, round(e, 4)) for n, e, _ in worst[:3]])
+    return result
 
 
 if __name__ == "__main__":
