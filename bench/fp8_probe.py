@@ -28,6 +28,7 @@ import torch
 
 from backends.core.runtime.config import FP8_PARTS
 from bench.common import bench_parser, random_sdxl, random_sdxl_denoiser, rel_rms, start_logging, write_json
+from bench.fp8_fidelity import diagnose
 from bench.runtime_micro import gpu_ms
 
 log = logging.getLogger("bench.fp8_probe")
@@ -97,12 +98,16 @@ def main() -> None:
         with torch.inference_mode():
             return runtime.decode(batch, runtime.encode(batch), None).float()
 
-    g = torch.Generator().manual_seed(3)  # one batch for every variant, drawn on the CPU
+    g = torch.Generator().manual_seed(3)  # the same batches for every variant, drawn on the CPU
     dev = torch.device("cuda:0")
-    batch = StepBatch(torch.randn(2, 4, latent, latent, generator=g).to(dev, torch.float16),
-                      torch.full((2,), 500.0, device=dev), texts[0], pooleds[0],
-                      torch.tensor([[args.size, args.size, 0, 0, args.size, args.size]] * 2, device=dev,
-                                   dtype=torch.float16))
+    sample = torch.randn(2, 4, latent, latent, generator=g).to(dev, torch.float16)
+    ids = torch.tensor([[args.size, args.size, 0, 0, args.size, args.size]] * 2, device=dev, dtype=torch.float16)
+    batches = {"encoder_text": StepBatch(sample, torch.full((2,), 500.0, device=dev), texts[0], pooleds[0], ids),
+               # Nothing an encoder makes: how FP8 fares far from its calibration.
+               "random_text": StepBatch(sample, torch.full((2,), 500.0, device=dev),
+                                        torch.randn(2, 77, 2048, generator=g).to(dev, torch.float16),
+                                        torch.randn(2, 1280, generator=g).to(dev, torch.float16), ids)}
+    batch = batches["encoder_text"]
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "size": args.size,
               "steps": args.steps, "variants": {}}
     outputs = {}
@@ -122,30 +127,37 @@ def main() -> None:
         runtime.warmup(template, [(latent, latent)])
         entry["warmup_s"] = time.perf_counter() - start
         step = gpu_ms(lambda: runtime.decode(batch, runtime.encode(batch), None), args.iters)
-        predicted = noise(runtime, batch)
+        predicted = {which: noise(runtime, b) for which, b in batches.items()}
         latents = denoise(runtime, request(1, args.steps, 1))
         image = vae.decode(latents)
         entry.update(step_ms=statistics.median(step), step_ms_all=step)
         latents = torch.as_tensor(latents).float()
         outputs[name] = (predicted, image, latents)
         log.info("%s: step %.2f ms (replayed), warm-up %.0f s", name, entry["step_ms"], entry["warmup_s"])
+        eager_noise = {which: noise(eager, b) for which, b in batches.items()}
         if name == "fp16":
-            entry["eager_noise_rms_rel_error"] = rel_rms(noise(eager, batch), predicted)
-            log.info("fp16 eager against %s: noise error rms %.3g", kind, entry["eager_noise_rms_rel_error"])
+            outputs["fp16_eager"] = eager_noise
+            entry["eager_noise_rms_rel_error"] = {w: rel_rms(eager_noise[w], predicted[w]) for w in batches}
+            log.info("fp16 eager against %s: noise error rms %s", kind, entry["eager_noise_rms_rel_error"])
         else:
             noise16, image16, latents16 = outputs["fp16"]
             # The same FP8 modules run eager: tells the quantization's error from the compiler's.
-            entry["noise_rms_rel_error_of_fp8_eager"] = rel_rms(noise(eager, batch), noise16)
-            log.info("%s eager against fp16: noise error rms %.3g", name, entry["noise_rms_rel_error_of_fp8_eager"])
+            entry["noise_rms_rel_error_of_fp8_eager"] = {w: rel_rms(eager_noise[w], noise16[w]) for w in batches}
+            log.info("%s eager against fp16: noise error rms %s", name, entry["noise_rms_rel_error_of_fp8_eager"])
+            # Where the eager FP8 error comes from, product by product, on each batch.
+            entry["diagnosis"] = {w: diagnose(runtime.fp8_layers, eager.weights_module,
+                                              lambda b=b: noise(eager, b), outputs["fp16_eager"][w])
+                                  for w, b in batches.items()}
             entry.update(
                 step_ratio_over_fp16=(entry["step_ms"] / report["variants"]["fp16"]["step_ms"]
                                       if args.fp16_kind == "compiled" else None),
-                noise_max_rel_error=float((predicted - noise16).abs().max() / noise16.abs().max()),
-                noise_rms_rel_error=rel_rms(predicted, noise16),
+                noise_max_rel_error={w: float((predicted[w] - noise16[w]).abs().max() / noise16[w].abs().max())
+                                     for w in batches},
+                noise_rms_rel_error={w: rel_rms(predicted[w], noise16[w]) for w in batches},
                 # The denoised latents say more than the image: a random VAE saturates much of it.
                 latents_rms_rel_error=rel_rms(latents, latents16),
                 image_psnr_db=psnr(image, image16))
-            log.info("%s / fp16 step: %s; noise error max %.3g rms %.3g; latents rms %.3g; image PSNR %.1f dB",
+            log.info("%s / fp16 step: %s; noise error max %s rms %s; latents rms %.3g; image PSNR %.1f dB",
                      name, entry["step_ratio_over_fp16"], entry["noise_max_rel_error"], entry["noise_rms_rel_error"],
                      entry["latents_rms_rel_error"], entry["image_psnr_db"])
         runtime = eager = None  # before the next variant's UNet is loaded
