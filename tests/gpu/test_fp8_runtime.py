@@ -87,3 +87,24 @@ def test_unmerged_lora_terms_hook_onto_the_fp8_layers(folder, tiny_model):
     assert rel_err(unmerged, base) > 10 * TOL[torch.float16]  # the terms applied
     # FP8(base) + exact terms against FP8(base + terms): the two round differently.
     assert rel_rms(unmerged, merged) <= 0.10
+
+
+def test_a_compiled_fp8_runtime_after_a_compiled_fp16_one_in_the_same_process(folder, tmp_path):
+    """Session 13's probe compiled an fp16 runtime, then an FP8 one, in one process: FP8's noise
+    moved by 127-131% there, and by 3.2% when the FP8 runtime was the process's only compiled one
+    (bench/results/2026-11-24-h200/notes.md). Each compiled runtime must run its own modules."""
+    where = Placement("cuda:0", "fp16")
+    cache = str(tmp_path / "compile_cache")
+    runtimes = []
+    for fp8 in ((), FP8_PARTS):
+        runtime = build_runtime(folder, where, RuntimeConfig(kind="compiled", row_buckets=(2,), fp8=fp8,
+                                                            compile_cache=cache))
+        runtime.warmup(batch(runtime.weights_module, 1), [(8, 8)])
+        runtimes.append(runtime)
+    fp16, fp8 = runtimes
+    b = batch(fp16.weights_module, 2, seed=5)
+    exact = step(fp16, b)
+    got = step(fp8, b)
+    assert fp8.stats.graph_steps == 1
+    assert rel_rms(got, step(fp8.eager, b)) <= 0.02  # the compiled graph against its own modules run eager
+    assert 1e-3 < rel_rms(got, exact) <= 0.10
