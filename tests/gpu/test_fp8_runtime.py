@@ -90,21 +90,28 @@ def test_unmerged_lora_terms_hook_onto_the_fp8_layers(folder, tiny_model):
 
 
 def test_a_compiled_fp8_runtime_after_a_compiled_fp16_one_in_the_same_process(folder, tmp_path):
-    """Session 13's probe compiled an fp16 runtime, then an FP8 one, in one process: FP8's noise
-    moved by 127-131% there, and by 3.2% when the FP8 runtime was the process's only compiled one
-    (bench/results/2026-11-24-h200/notes.md). Each compiled runtime must run its own modules."""
+    """bench/fp8_probe.py compiled an fp16 runtime, dropped it, then compiled an FP8 one in the same
+    process, as this test does: FP8's noise moved by 127-131% there (session 13, and again with
+    that code in session 14), against 3.1-3.3% wherever the FP8 runtime was the process's first
+    compiled one (bench/results/2026-11-23h-h200/notes.md). Each compiled runtime must run its own
+    modules: the graph replayed against the same FP8 modules run eager."""
     where = Placement("cuda:0", "fp16")
-    cache = str(tmp_path / "compile_cache")
-    runtimes = []
-    for fp8 in ((), FP8_PARTS):
+
+    def compiled(fp8):
         runtime = build_runtime(folder, where, RuntimeConfig(kind="compiled", row_buckets=(2,), fp8=fp8,
-                                                            compile_cache=cache))
+                                                            compile_cache=str(tmp_path / "compile_cache")))
         runtime.warmup(batch(runtime.weights_module, 1), [(8, 8)])
-        runtimes.append(runtime)
-    fp16, fp8 = runtimes
+        return runtime
+
+    fp16 = compiled(())
     b = batch(fp16.weights_module, 2, seed=5)
     exact = step(fp16, b)
+    fp16 = None  # as the probe did: its modules' memory goes back before the next runtime is built
+    torch.cuda.empty_cache()
+    fp8 = compiled(FP8_PARTS)
     got = step(fp8, b)
     assert fp8.stats.graph_steps == 1
-    assert rel_rms(got, step(fp8.eager, b)) <= 0.02  # the compiled graph against its own modules run eager
+    # Inductor skips fp16 roundings eager makes, so some inputs round to the neighbouring e4m3
+    # value: a few percent, against the 127% of the failure.
+    assert rel_rms(got, step(fp8.eager, b)) <= 0.05
     assert 1e-3 < rel_rms(got, exact) <= 0.10
