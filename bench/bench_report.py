@@ -123,6 +123,10 @@ def markdown(results: dict) -> str:
     """results.json as Markdown tables."""
     configs = results.get("configs", [])
     gpu = results.get("gpu")
+
+    def label(e):  # entries of one configuration differ in Easel's runtime: the tables below name it
+        return f"{e['name']} ({e['easel_runtime']})" if e.get("easel_runtime") else e["name"]
+
     v = results.get("versions") or {}
     lines = [f"# Easel bench: {gpu}, {results.get('date')}", "",
              f"Driver {results.get('driver') or 'n/a'}; "
@@ -156,7 +160,7 @@ def markdown(results: dict) -> str:
               "| Easel / compiled |", "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for e in configs:
         for c, row in (e.get("throughput_img_s") or {}).items():
-            lines.append(f"| {e['name']} | {e.get('throughput_steps', 'n/a')} | {c} | {secs(row.get('easel'))} "
+            lines.append(f"| {label(e)} | {e.get('throughput_steps', 'n/a')} | {c} | {secs(row.get('easel'))} "
                          f"| {secs(row.get('diffusers_eager'))} | {secs(row.get('diffusers_compiled'))} "
                          f"| {times(_ratio(row.get('easel'), row.get('diffusers_eager')))} "
                          f"| {times(_ratio(row.get('easel'), row.get('diffusers_compiled')))} |")
@@ -167,8 +171,8 @@ def markdown(results: dict) -> str:
                   "| --- |" + " --- |" * len(stage_names)]
         for e in configs:
             stages = e.get("easel_stages_median_s") or {}
-            lines.append(f"| {e['name']} | " + " | ".join(secs(stages.get(k), 4) for k in stage_names) + " |")
-    breakdowns = [(e["name"], (e.get("easel") or {}).get("controlnet_per_call")) for e in configs]
+            lines.append(f"| {label(e)} | " + " | ".join(secs(stages.get(k), 4) for k in stage_names) + " |")
+    breakdowns = [(label(e), (e.get("easel") or {}).get("controlnet_per_call")) for e in configs]
     if any(b for _, b in breakdowns):
         lines += ["", "## ControlNet calls (latency requests; means per call, from the server's metrics)", "",
                   "| configuration | calls | BLS wall ms | service compute ms | transfer + overhead ms "
@@ -178,7 +182,7 @@ def markdown(results: dict) -> str:
                 lines.append(f"| {name} | {b['calls']:.0f} | {secs(b['bls_wall_ms'], 1)} | {secs(b['compute_ms'], 1)} "
                              f"| {secs(b['transfer_and_overhead_ms'], 1)} | {secs(b['decoder_wait_ms_per_step'], 1)} "
                              f"| {b.get('graph_replays', 0):.0f} | {b.get('session_misses', 0):.0f} |")
-    ideals = [(e["name"], (e.get("easel") or {}).get("controlnet_ideal")) for e in configs]
+    ideals = [(label(e), (e.get("easel") or {}).get("controlnet_ideal")) for e in configs]
     if any(i for _, i in ideals):
         lines += ["", "## ControlNets against Gustafson's ideal (same run's parts, ms per step)", "",
                   "Ideal: each ControlNet on a GPU of its own beside the encoder half, max(encoder, ControlNet) + "
@@ -209,13 +213,13 @@ def markdown(results: dict) -> str:
     lines += ["", "## Image fidelity (seed 0)", "",
               "| configuration | compared | PSNR dB | SSIM | max abs diff (uint8) |", "| --- | --- | --- | --- | --- |"]
     for e in configs:
-        for label, f in (("Easel vs diffusers eager", e.get("fidelity")),
+        for compared, f in (("Easel vs diffusers eager", e.get("fidelity")),
                          ("diffusers compiled vs eager", e.get("fidelity_compiled_vs_eager"))):
             if not f or "error" in f:
-                lines.append(f"| {e['name']} | {label} | {(f or {}).get('error', 'n/a')} | | |")
+                lines.append(f"| {label(e)} | {compared} | {(f or {}).get('error', 'n/a')} | | |")
                 continue
             psnr = "inf (identical)" if f.get("identical") else secs(f.get("psnr_db"), 2)
-            lines.append(f"| {e['name']} | {label} | {psnr} | {secs(f.get('ssim'), 5)} | {f.get('max_abs_diff')} |")
+            lines.append(f"| {label(e)} | {compared} | {psnr} | {secs(f.get('ssim'), 5)} | {f.get('max_abs_diff')} |")
     lines += _session_runs(results)
     failures = [(e["name"], s, (e.get(s) or {}).get("error")) for e in configs for s in SYSTEMS
                 if (e.get(s) or {}).get("error")]

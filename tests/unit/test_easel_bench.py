@@ -73,8 +73,8 @@ def test_report_markdown_and_plots(tmp_path):
 
     md = bench_report.markdown(results)
     assert "| 0C/0L | NVIDIA H200 x1 | 1024 | 50 | graphs | 2.600 / " in md
-    assert "| 0C/0L | 30 | 4 | 1.100 | 0.750 | 1.000 | 1.47x | 1.10x |" in md
-    assert "| 1C/1L | 30 | 8 | 1.500 | 0.800 | n/a | 1.88x | n/a |" in md
+    assert "| 0C/0L (graphs) | 30 | 4 | 1.100 | 0.750 | 1.000 | 1.47x | 1.10x |" in md
+    assert "| 1C/1L (graphs) | 30 | 8 | 1.500 | 0.800 | n/a | 1.88x | n/a |" in md
     assert "(reduce-overhead)" in md and "95.0" in md and "40.0" in md and "denoise_s" in md
     assert "## Image fidelity" in md
 
