@@ -138,6 +138,16 @@ def test_the_tiny_unet_in_fp8_stays_near_fp32(folder, tiny_model, tmp_path):
     error = rel_rms(split_forward(enc, dec, *measured), want)
     assert 1e-3 < error <= 0.10, f"noise relative RMS error {error:.4f}"
 
+    # bench/fp8_fidelity's diagnosis, which the GPU figures rest on: each product's own error, and
+    # the products emulated in fp32 (a CPU's torch._scaled_mm gives the same noise within 5%).
+    from bench.fp8_fidelity import diagnose
+
+    found = diagnose(layers, unet, lambda: split_forward(enc, dec, *measured), want)
+    assert found["noise_rms_rel_error"] == pytest.approx(error)
+    assert found["noise_rms_rel_error_emulated"] == pytest.approx(error, rel=0.05)
+    assert 1e-3 < found["own_error_median"] <= found["own_error_max"] <= 0.08
+    assert all("forward" not in vars(layer) for layer in layers)  # each layer's own forward again
+
 
 def test_fp8_is_configured_only_for_a_fast_runtime():
     assert RuntimeConfig(kind="compiled", fp8=["feed_forward"]).fp8 == ("feed_forward",)
