@@ -3,10 +3,11 @@ under four variants, the calibrated range with 4x headroom (shipped) or none, ti
 multiplier in fp32 (shipped) or in fp16 (the first version), each against the exact fp16 path on
 a batch of random N(0, 1) text and one of the calibration's encoder text.
 
-Why: session 13's first version (no headroom, fp16 multiplier) moved the noise of a random-text
-batch by 127-131% under `compiled` on an H200 (reproduced with that code in session 14), while
-the shipped one moves it by 3.2% (bench/fp8_probe.py). Each variant runs eager and as CUDA
-graphs; `--compiled` adds the first version under torch.compile (about 3 minutes).
+Why: with the first version (no headroom, fp16 multiplier) bench/fp8_probe.py measured the noise
+of a random-text batch 127-131% away under `compiled` on an H200 (bench/results/2026-11-23g-h200/,
+reproduced with that code in 2026-11-23h-h200/), while the shipped one moves it by 3.2%. Each
+variant runs eager and as CUDA graphs; `--compiled` adds the first version under torch.compile
+(about 3 minutes). On an H200 every variant gave 3.1-3.3% (2026-11-23h-h200/notes.md).
 
     python3 -m bench.fp8_scaling --work /tmp/easel-micro --out $OUT/fp8_scaling.json
 """

@@ -90,11 +90,11 @@ def test_unmerged_lora_terms_hook_onto_the_fp8_layers(folder, tiny_model):
 
 
 def test_a_compiled_fp8_runtime_after_a_compiled_fp16_one_in_the_same_process(folder, tmp_path):
-    """bench/fp8_probe.py compiled an fp16 runtime, dropped it, then compiled an FP8 one in the same
-    process, as this test does: FP8's noise moved by 127-131% there (session 13, and again with
-    that code in session 14), against 3.1-3.3% wherever the FP8 runtime was the process's first
-    compiled one (bench/results/2026-11-23h-h200/notes.md). Each compiled runtime must run its own
-    modules: the graph replayed against the same FP8 modules run eager."""
+    """bench/fp8_probe.py compiled an fp16 runtime, dropped it, then compiled an FP8 one in the
+    same process, as this test does: FP8's noise moved by 127-131% there, against 3.1-3.3% wherever
+    the FP8 runtime was the process's first compiled one (bench/results/2026-11-23h-h200/notes.md).
+    Each compiled runtime must run its own modules: the graph replayed against the same FP8
+    modules run eager."""
     where = Placement("cuda:0", "fp16")
 
     def compiled(fp8):
