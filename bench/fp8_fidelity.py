@@ -125,7 +125,7 @@ def diagnose(layers, unet, run, exact) -> dict:
     def note(m, args, y):
         x = args[0]
         want = F.linear(x.float(), m.weight.float(), None if m.bias is None else m.bias.float())
-        own.append((names.get(id(m), f"layers[{layers.index(m)}]"), rel_rms(y.float(), want),
+        own.append((names.get(id(m), f"layers[{layers.index(m)}]"), rel_rms(y, want),
                     float(x.abs().max()) / float(m.x_amax)))
 
     hooks = [layer.register_forward_hook(note) for layer in layers]
@@ -135,8 +135,7 @@ def diagnose(layers, unet, run, exact) -> dict:
     worst = sorted(own, key=lambda e: -e[1])[:8]
 
     def emulated(m, x):
-        rows = x.reshape(-1, x.shape[-1])
-        x8 = (rows.float() * m.x_inverse).clamp(-fp8.E4M3_MAX, fp8.E4M3_MAX).to(fp8.E4M3)
+        x8 = m.quantize(x.reshape(-1, x.shape[-1]))
         y = (x8.float() * m.x_scale) @ (m.w8.float() * m.w_scale).t()
         if m.bias is not None:
             y = y + m.bias.float()

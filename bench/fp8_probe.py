@@ -42,6 +42,31 @@ PROMPTS = ("a lighthouse on a cliff in a storm, dramatic clouds", "a bowl of ram
 VARIANTS = {"fp16": None, "fp8": FP8_PARTS, "fp8-ff": ("feed_forward",)}
 
 
+def noise(runtime, batch) -> torch.Tensor:
+    """One step's noise prediction (both halves, no residuals), in fp32."""
+    with torch.inference_mode():
+        return runtime.decode(batch, runtime.encode(batch), None).float()
+
+
+def probe_batches(size: int, texts: dict) -> dict:
+    """The probes' batches of two rows at timestep 500, on cuda:0: the same seeded latents with each
+    of `texts` (name -> (text, pooled) from an encoder) and with random N(0, 1) text ("random_text":
+    nothing an encoder makes, how FP8 fares far from its calibration). Drawn on the CPU, so every
+    run and variant gets the same."""
+    from backends.core.runtime.base import StepBatch
+
+    g = torch.Generator().manual_seed(3)
+    dev = torch.device("cuda:0")
+    latent = size // 8
+    sample = torch.randn(2, 4, latent, latent, generator=g).to(dev, torch.float16)
+    random_text = (torch.randn(2, 77, 2048, generator=g).to(dev, torch.float16),
+                   torch.randn(2, 1280, generator=g).to(dev, torch.float16))
+    t = torch.full((2,), 500.0, device=dev)
+    ids = torch.tensor([[size, size, 0, 0, size, size]] * 2, device=dev, dtype=torch.float16)
+    return {name: StepBatch(sample, t, text, pooled, ids)
+            for name, (text, pooled) in {**texts, "random_text": random_text}.items()}
+
+
 def main() -> None:
     p = bench_parser(__doc__, size=1024, steps=50)
     p.add_argument("--iters", type=int, default=10)
@@ -61,7 +86,6 @@ def main() -> None:
     from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
     from backends.core.request.params import Limits, validate
     from backends.core.runtime.artifacts import load_unet_halves
-    from backends.core.runtime.base import StepBatch
     from backends.core.runtime.config import RuntimeConfig
     from backends.core.runtime.fp8 import CALIBRATION_FILE, write_calibration
     from backends.core.runtime.placement import Placement
@@ -99,19 +123,8 @@ def main() -> None:
                 engine.step([state])
         return engine.result(state)
 
-    def noise(runtime, batch):
-        with torch.inference_mode():
-            return runtime.decode(batch, runtime.encode(batch), None).float()
-
-    g = torch.Generator().manual_seed(3)  # the same batches for every variant, drawn on the CPU
     dev = torch.device("cuda:0")
-    sample = torch.randn(2, 4, latent, latent, generator=g).to(dev, torch.float16)
-    ids = torch.tensor([[args.size, args.size, 0, 0, args.size, args.size]] * 2, device=dev, dtype=torch.float16)
-    batches = {"encoder_text": StepBatch(sample, torch.full((2,), 500.0, device=dev), texts[0], pooleds[0], ids),
-               # Nothing an encoder makes: how FP8 fares far from its calibration.
-               "random_text": StepBatch(sample, torch.full((2,), 500.0, device=dev),
-                                        torch.randn(2, 77, 2048, generator=g).to(dev, torch.float16),
-                                        torch.randn(2, 1280, generator=g).to(dev, torch.float16), ids)}
+    batches = probe_batches(args.size, {"encoder_text": (texts[0], pooleds[0])})
     batch = batches["encoder_text"]
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "size": args.size,
               "steps": args.steps, "variants": {}}

@@ -19,20 +19,16 @@ import logging
 import torch
 
 from bench.common import bench_parser, random_sdxl, random_sdxl_denoiser, rel_rms, start_logging, write_json
+from bench.fp8_probe import noise, probe_batches
 
 log = logging.getLogger("bench.fp8_scaling")
 
 
-def fp16_multiplier(m, x):
-    """The first version's forward: the input scaled by an fp16 multiplier, in fp16."""
+def fp16_multiplier(m, rows):
+    """The first version's quantization: the input scaled by an fp16 multiplier, in fp16."""
     from backends.core.runtime.fp8 import E4M3, E4M3_MAX
 
-    rows = x.reshape(-1, x.shape[-1])
-    x8 = (rows * m.x_inverse.to(rows.dtype)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
-    y = torch._scaled_mm(x8, m.w8.t(), scale_a=m.x_scale, scale_b=m.w_scale, out_dtype=x.dtype)
-    if m.bias is not None:
-        y = y + m.bias
-    return y.reshape(*x.shape[:-1], m.weight.shape[0])
+    return (rows * m.x_inverse.to(rows.dtype)).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
 
 
 def main() -> None:
@@ -44,7 +40,6 @@ def main() -> None:
     from safetensors.torch import load_file
 
     from backends.core.runtime.artifacts import load_unet_halves
-    from backends.core.runtime.base import StepBatch
     from backends.core.runtime.config import FP8_PARTS, RuntimeConfig
     from backends.core.runtime.fp8 import CALIBRATION_FILE, write_calibration
     from backends.core.runtime.placement import Placement
@@ -55,20 +50,10 @@ def main() -> None:
     calibration = args.work / CALIBRATION_FILE
     write_calibration(StableDiffusionXLPipeline.from_pretrained(model, dtype=torch.float16).to("cuda"),
                       calibration, args.size)
-    where, dev, latent = Placement("cuda:0", "fp16"), torch.device("cuda:0"), args.size // 8
-    g = torch.Generator().manual_seed(3)  # bench/fp8_probe.py's batch
-    sample = torch.randn(2, 4, latent, latent, generator=g).to(dev, torch.float16)
-    ids = torch.tensor([[args.size, args.size, 0, 0, args.size, args.size]] * 2, device=dev, dtype=torch.float16)
-    t = torch.full((2,), 500.0, device=dev)
+    where, latent = Placement("cuda:0", "fp16"), args.size // 8
     data = load_file(str(calibration), device="cuda")
     rows = [0, data["text"].shape[0] // 2]  # the empty prompt and the first calibration prompt
-    batches = {"random_text": StepBatch(sample, t, torch.randn(2, 77, 2048, generator=g).to(dev, torch.float16),
-                                        torch.randn(2, 1280, generator=g).to(dev, torch.float16), ids),
-               "calibration_text": StepBatch(sample, t, data["text"][rows].half(), data["pooled"][rows].half(), ids)}
-
-    @torch.inference_mode()
-    def noise(runtime, batch):
-        return runtime.decode(batch, runtime.encode(batch), None).float()
+    batches = probe_batches(args.size, {"calibration_text": (data["text"][rows].half(), data["pooled"][rows].half())})
 
     def fresh(kind: str):
         eager = EagerUNetRuntime(*load_unet_halves(folder, where))
@@ -87,7 +72,7 @@ def main() -> None:
         for layer in runtime.fp8_layers:
             layer.set_input_range(float(layer.x_amax), headroom)
             if multiplier == "fp16":
-                layer.forward = lambda x, m=layer: fp16_multiplier(m, x)
+                layer.quantize = lambda rows, m=layer: fp16_multiplier(m, rows)
         runtime.warmup(batches["random_text"], [(latent, latent)])
         name = f"headroom {headroom:g}, {multiplier} multiplier, {kind}"
         entry = report["variants"][name] = {}

@@ -20,7 +20,7 @@ from backends.core.runtime.artifacts import DECODER_FILE, ENCODER_FILE, UNET_DIR
 from backends.core.runtime.placement import DTYPE_NAMES, Placement
 from backends.core.engine.config import DenoiserConfig
 from backends.core.engine.denoiser import VAE_SCALE_FACTOR_FILE
-from backends.core.runtime.config import FP8_PARTS, RUNTIME_KINDS, RuntimeConfig, default_kind
+from backends.core.runtime.config import RUNTIME_KINDS, RuntimeConfig, check_fp8_parts, default_kind
 from backends.core.request.params import Limits, validate
 from backends.core.stages.text_encoding import OPTIONS_FILE
 
@@ -111,9 +111,7 @@ class ExportOptions:
             raise ValueError(f"vae_dtype: {self.vae_dtype!r} is not one of {list(DTYPE_NAMES)}")
         if self.device == "cpu" and self.runtime not in (None, "eager"):
             raise ValueError(f"runtime: {self.runtime!r} needs --device cuda (CUDA graphs)")
-        unknown = sorted(set(self.fp8) - set(FP8_PARTS))
-        if unknown:
-            raise ValueError(f"fp8: {unknown} not among {list(FP8_PARTS)}")
+        check_fp8_parts(self.fp8, "fp8")
         if self.fp8 and self.resolved_runtime == "eager":
             raise ValueError("fp8: needs a fast runtime (--device cuda, --runtime graphs or compiled)")
 

@@ -23,9 +23,9 @@ from backends.core.runtime.config import FP8_PARTS, RuntimeConfig
 from backends.core.runtime.fp8 import CALIBRATION_FILE, Fp8Linear
 from backends.core.runtime.placement import Placement
 from backends.core.runtime.torch_eager import EagerUNetRuntime
+from bench.common import rel_rms
 from export.repository import ExportOptions, export_repository
 from tests.gpu.test_fast_runtime import TOL, batch, rel_err, step
-from tests.unit.test_fp8 import rel_rms
 
 pytestmark = pytest.mark.gpu
 CONFIG = RuntimeConfig(kind="graphs", row_buckets=(2,), fp8=FP8_PARTS)

@@ -24,14 +24,10 @@ from backends.core.runtime.fp8 import (CALIBRATION_FILE, CALIBRATION_PROMPTS, HE
 from backends.core.runtime.packed_attention import PackedSelfAttnProcessor, pack_attention
 from backends.core.runtime.placement import Placement
 from backends.core.runtime.unet_split import split_forward
+from bench.common import rel_rms
 from export.cli import parser
 from export.repository import ExportOptions, export_repository
 from tests.unit.test_packed_attention import inputs
-
-
-def rel_rms(got: torch.Tensor, want: torch.Tensor) -> float:
-    got, want = got.float(), want.float()
-    return float((got - want).pow(2).mean().sqrt() / want.pow(2).mean().sqrt())
 
 
 def linear(seed=0, n_in=64, n_out=96):

@@ -17,6 +17,15 @@ RUNTIME_KINDS = ("eager", "graphs", "compiled")
 FP8_PARTS = ("attention", "feed_forward", "projections")
 
 
+def check_fp8_parts(parts, field: str) -> tuple[str, ...]:
+    """`parts` as a tuple, each one of FP8_PARTS; otherwise a ValueError that names `field`."""
+    parts = tuple(parts)
+    unknown = sorted(set(parts) - set(FP8_PARTS))
+    if unknown:
+        raise ValueError(f"{field}: {unknown} not among {list(FP8_PARTS)}")
+    return parts
+
+
 @dataclass(frozen=True)
 class RuntimeConfig:
     kind: str = "eager"
@@ -50,10 +59,7 @@ class RuntimeConfig:
             raise ValueError(f"runtime.kind: {self.kind!r} is not one of {list(RUNTIME_KINDS)}")
         object.__setattr__(self, "row_buckets", tuple(sorted(int(r) for r in self.row_buckets)))
         object.__setattr__(self, "warmup_sizes", tuple(tuple(int(d) for d in s) for s in self.warmup_sizes))
-        object.__setattr__(self, "fp8", tuple(self.fp8))
-        unknown = sorted(set(self.fp8) - set(FP8_PARTS))
-        if unknown:
-            raise ValueError(f"runtime.fp8: {unknown} not among {list(FP8_PARTS)}")
+        object.__setattr__(self, "fp8", check_fp8_parts(self.fp8, "runtime.fp8"))
         if self.fp8 and self.kind == "eager":
             raise ValueError("runtime.fp8: needs a fast runtime (graphs or compiled), not eager")
         if not self.row_buckets or self.row_buckets[0] < 1:

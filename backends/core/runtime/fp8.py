@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from backends.core.runtime.config import FP8_PARTS
+from backends.core.runtime.config import FP8_PARTS, check_fp8_parts
 
 log = logging.getLogger(__name__)
 
@@ -72,13 +72,16 @@ class Fp8Linear(nn.Module):
         self.x_scale.fill_(scale)
         self.x_inverse.fill_(1.0 / scale)
 
+    def quantize(self, rows: torch.Tensor) -> torch.Tensor:
+        """The input's rows in e4m3, by the calibrated scale. In fp32, fused under compile into
+        the kernel that wrote them (eager: one fp32 temporary)."""
+        return (rows.float() * self.x_inverse).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.calibrating:  # the exact product, noting the input's range
             self.x_amax.copy_(torch.maximum(self.x_amax, x.detach().abs().amax().float()))
             return F.linear(x, self.weight, self.bias)
-        rows = x.reshape(-1, x.shape[-1])
-        # In fp32, fused under compile into the kernel that wrote x (eager: one fp32 temporary).
-        x8 = (rows.float() * self.x_inverse).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3)
+        x8 = self.quantize(x.reshape(-1, x.shape[-1]))
         y = torch._scaled_mm(x8, self.w8.t(), scale_a=self.x_scale, scale_b=self.w_scale, out_dtype=x.dtype)
         if self.bias is not None:
             y = y + self.bias
@@ -98,9 +101,7 @@ def use_fp8(unet: nn.Module, parts: tuple[str, ...] = FP8_PARTS) -> list[Fp8Line
 
     from backends.core.runtime.packed_attention import PackedCrossAttnProcessor, PackedSelfAttnProcessor
 
-    unknown = set(parts) - set(FP8_PARTS)
-    if unknown:
-        raise ValueError(f"fp8 parts: {sorted(unknown)} not among {list(FP8_PARTS)}")
+    parts = check_fp8_parts(parts, "fp8 parts")
     swapped: list[Fp8Linear] = []
     kept = 0  # linear layers of a shape no e4m3 product takes
 
@@ -191,7 +192,7 @@ def write_calibration(pipe, path, size: int) -> None:
 
     embeds, negative, pooled, negative_pooled = pipe.encode_prompt(
         list(CALIBRATION_PROMPTS), device=pipe.device, do_classifier_free_guidance=True)
-    scale = 2 ** (len(pipe.vae.config.block_out_channels) - 1)
+    scale = pipe.vae_scale_factor
     save_file({"text": torch.cat([negative, embeds]).contiguous(),
                "pooled": torch.cat([negative_pooled, pooled]).contiguous(),
                "time_ids": torch.tensor([[size, size, 0, 0, size, size]], dtype=torch.float32),
