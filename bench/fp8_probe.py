@@ -29,6 +29,7 @@ from __future__ import annotations
 import logging
 import statistics
 import time
+from pathlib import Path
 
 import torch
 
@@ -46,6 +47,43 @@ def noise(runtime, batch) -> torch.Tensor:
     """One step's noise prediction (both halves, no residuals), in fp32."""
     with torch.inference_mode():
         return runtime.decode(batch, runtime.encode(batch), None).float()
+
+
+def unreplayed_noise(runtime, batch) -> torch.Tensor:
+    """`noise`, with the compiled halves called on the batch's bucket's own static inputs instead
+    of replaying its graphs (the same arguments as at capture, so no guard fails): tells a wrong
+    capture from a wrong compile."""
+    with torch.inference_mode():
+        bucket = runtime._bucket(batch)
+        runtime._load(batch, bucket)
+        emb, mid, skips = runtime.enc_fn(bucket.sample, bucket.timestep, bucket.text, bucket.pooled, bucket.time_ids)
+        return runtime.dec_fn(emb, mid, skips, bucket.text, None, None)[:batch.rows].float()
+
+
+def compile_counters() -> dict:
+    """Dynamo's and inductor's counters (frames compiled, FX graph and AOT cache hits and misses)."""
+    from torch._dynamo.utils import counters
+
+    return {group: dict(values) for group, values in counters.items()}
+
+
+def counters_since(before: dict) -> dict:
+    return {group: {k: n - before.get(group, {}).get(k, 0) for k, n in values.items()
+                    if n != before.get(group, {}).get(k, 0)}
+            for group, values in compile_counters().items()}
+
+
+def fp8_calibration(work: Path, size: int) -> Path:
+    """The calibration data `easel export --fp8` writes, for random_sdxl(work) at `size` px; written once."""
+    from diffusers import StableDiffusionXLPipeline
+
+    from backends.core.runtime.fp8 import CALIBRATION_FILE, write_calibration
+
+    path = work / f"{size}px_{CALIBRATION_FILE}"
+    if not path.exists():
+        pipe = StableDiffusionXLPipeline.from_pretrained(random_sdxl(work), dtype=torch.float16).to("cuda")
+        write_calibration(pipe, path, size)
+    return path
 
 
 def probe_batches(size: int, texts: dict) -> dict:
@@ -130,6 +168,7 @@ def main() -> None:
               "steps": args.steps, "variants": {}}
     outputs = {}
     for name in variants:
+        counted = compile_counters()
         eager = EagerUNetRuntime(*load_unet_halves(folder, where))
         start = time.perf_counter()
         kind = args.fp16_kind if name == "fp16" else "compiled"
@@ -148,7 +187,9 @@ def main() -> None:
         predicted = {which: noise(runtime, b) for which, b in batches.items()}
         latents = denoise(runtime, request(1, args.steps, 1))
         image = vae.decode(latents)
-        entry.update(step_ms=statistics.median(step), step_ms_all=step)
+        entry.update(step_ms=statistics.median(step), step_ms_all=step, compile_counters=counters_since(counted))
+        unreplayed = ({w: unreplayed_noise(runtime, b) for w, b in batches.items()} if kind == "compiled"
+                      else None)
         latents = torch.as_tensor(latents).float()
         outputs[name] = (predicted, image, latents)
         log.info("%s: step %.2f ms (replayed), warm-up %.0f s", name, entry["step_ms"], entry["warmup_s"])
@@ -156,6 +197,8 @@ def main() -> None:
         if name == "fp16":
             outputs["fp16_eager"] = eager_noise
             entry["eager_noise_rms_rel_error"] = {w: rel_rms(eager_noise[w], predicted[w]) for w in batches}
+            if unreplayed:
+                entry["unreplayed_against_replayed"] = {w: rel_rms(unreplayed[w], predicted[w]) for w in batches}
             log.info("fp16 eager against %s: noise error rms %s", kind, entry["eager_noise_rms_rel_error"])
         else:
             noise16, image16, latents16 = outputs["fp16"]
@@ -172,6 +215,9 @@ def main() -> None:
                 noise_max_rel_error={w: float((predicted[w] - noise16[w]).abs().max() / noise16[w].abs().max())
                                      for w in batches},
                 noise_rms_rel_error={w: rel_rms(predicted[w], noise16[w]) for w in batches},
+                # The compiled halves called without their graphs, against fp16 and against the replay.
+                unreplayed_noise_rms_rel_error={w: rel_rms(unreplayed[w], noise16[w]) for w in batches},
+                unreplayed_against_replayed={w: rel_rms(unreplayed[w], predicted[w]) for w in batches},
                 # The denoised latents say more than the image: a random VAE saturates much of it.
                 latents_rms_rel_error=rel_rms(latents, latents16),
                 image_psnr_db=psnr(image, image16))

@@ -117,7 +117,7 @@ def main() -> None:
     p.add_argument("--kinds", default="graphs+fused,compiled",
                    help="eager, graphs or compiled, each optionally +cl (channels_last), +fused, +cudnn (attention), "
                         "+unpacked (no packed attention projections), +bench (cudnn.benchmark: convolution algorithms "
-                        "timed, not guessed), and for compiled inductor's " + ", ".join(f"+{k} ({v})" for k, v in
+                        "timed, not guessed), +fp8 (RuntimeConfig.fp8: every part), and for compiled inductor's " + ", ".join(f"+{k} ({v})" for k, v in
                                                                                        INDUCTOR_OPTIONS.items()))
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
@@ -127,12 +127,17 @@ def main() -> None:
 
     from backends.core.engine.builder import template_batch
     from backends.core.runtime.artifacts import load_unet_halves
-    from backends.core.runtime.config import RuntimeConfig
+    from backends.core.runtime.config import FP8_PARTS, RuntimeConfig
     from backends.core.runtime.placement import Placement
     from backends.core.runtime.torch_eager import EagerUNetRuntime
     from backends.core.runtime.torch_fast import FastUNetRuntime, _resized
 
     folder = random_sdxl_denoiser(args.work)
+    calibration = None
+    if any("fp8" in name.split("+") for name in args.kinds.split(",")):
+        from bench.fp8_probe import fp8_calibration
+
+        calibration = fp8_calibration(args.work, args.size)
     where = Placement("cuda:0", "fp16")
     latent = args.size // 8
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "size": args.size, "rows": args.rows,
@@ -165,8 +170,9 @@ def main() -> None:
             runtime = FastUNetRuntime(eager, RuntimeConfig(kind=kind, row_buckets=(args.rows,),
                                                            channels_last="cl" in options,
                                                            fused_kernels="fused" in options,
-                                                           packed_attention="unpacked" not in options),
-                                      cache_root=args.work / "cache")
+                                                           packed_attention="unpacked" not in options,
+                                                           fp8=FP8_PARTS if "fp8" in options else ()),
+                                      cache_root=args.work / "cache", fp8_calibration=calibration)
             start = time.perf_counter()
             runtime.warmup(template, [(latent, latent)])
             entry["warmup_s"] = time.perf_counter() - start
