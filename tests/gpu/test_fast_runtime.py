@@ -213,6 +213,30 @@ def test_denoiser_on_graphs_reproduces_the_eager_denoiser(repo):
     assert fast_runtime.stats.graph_steps == 6
 
 
+def test_the_engines_stream_waits_for_what_the_caller_queued_on_the_same_graphs(repo):
+    """A caller queues a step on the runtime's graphs on its own stream, then hands the engine a
+    step on the same bucket: the engine's stream must not write the bucket's buffers before the
+    caller's step has read them. A GPU sleep between the caller's two halves holds its step
+    back, so without the wait the engine's encoder replay lands in between every time (what made
+    bench/fp8_probe.py report FP8 127% away from fp16: bench/results/2026-11-23i-h200)."""
+    where = Placement("cuda:0", "fp16")
+    eager, fast = runtimes(repo, "fp16", RuntimeConfig(kind="graphs", row_buckets=(2,)))
+    engine = TorchDenoiser(repo / "denoiser" / "1", where, runtime=fast)
+    mine, theirs = batch(eager.weights_module, 2, seed=1), batch(eager.weights_module, 2, seed=2)
+    want = step(fast, mine)
+    with torch.inference_mode():
+        enc = fast.encode(mine)
+        encoded = torch.cuda.Event()
+        encoded.record()
+        torch.cuda._sleep(100_000_000)  # about 50 ms of the caller's stream
+        got = fast.decode(mine, enc, None)
+        encoded.synchronize()  # the caller's encoder half has run; its decoder half waits behind the sleep
+        with engine.on_stream():
+            fast.decode(theirs, fast.encode(theirs), None)
+    torch.cuda.synchronize()
+    assert torch.equal(got, want)
+
+
 def test_compiled_equals_eager(repo):
     import dataclasses
 

@@ -156,11 +156,20 @@ class TorchDenoiser:
 
     def on_stream(self):
         """Context for the thread that owns the engine: its work goes to the engine's stream (and,
-        on other devices the runtime computes on, to the runtime's streams there)."""
+        on other devices the runtime computes on, to the runtime's streams there).
+
+        Switching streams orders nothing by itself, so each side waits for the other: the engine's
+        streams for what the caller queued before entering, the caller's for what the engine
+        queued inside. Without the first, a caller that had just queued a step on the runtime's
+        graphs saw its output overwritten by the engine's first step, which wrote the same static
+        buffers concurrently (bench/fp8_probe.py's 127-131%, bench/results/2026-11-23i-h200)."""
         if self.stream is None:
             return nullcontext()
         stack = ExitStack()
         for stream in (*self.runtime.streams, self.stream):  # ours last: it leaves our device current
+            caller = torch.cuda.current_stream(stream.device)
+            stream.wait_stream(caller)
+            stack.callback(caller.wait_stream, stream)
             stack.enter_context(torch.cuda.stream(stream))
         return stack
 
@@ -369,8 +378,8 @@ class TorchDenoiser:
         return LatentSnapshot(state.latents, self.stream)
 
     def result(self, state: RequestState) -> np.ndarray:
-        """The final latents on the host. Copied on the engine's stream, from any thread: that stream
-        does not wait for the default one, and with graphs the host runs steps ahead of the GPU."""
+        """The final latents on the host, from any thread. Copied on the engine's stream: the steps
+        that wrote them are queued there, and with graphs the host runs steps ahead of the GPU."""
         with self.on_stream():
             return state.latents.float().cpu().numpy()
 
