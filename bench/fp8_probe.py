@@ -114,7 +114,6 @@ def main() -> None:
     from backends.core.request.params import Limits, validate
     from backends.core.runtime.artifacts import load_unet_halves
     from backends.core.runtime.config import RuntimeConfig
-    from backends.core.runtime.fp8 import CALIBRATION_FILE, write_calibration
     from backends.core.runtime.placement import Placement
     from backends.core.runtime.torch_eager import EagerUNetRuntime
     from backends.core.runtime.torch_fast import FastUNetRuntime
@@ -122,9 +121,8 @@ def main() -> None:
     from backends.core.stages.vae_decoding import LatentDecoder
 
     model, folder = random_sdxl(args.work), random_sdxl_denoiser(args.work)
-    calibration = args.work / CALIBRATION_FILE
+    calibration = fp8_calibration(args.work, args.size)
     pipe = StableDiffusionXLPipeline.from_pretrained(model, dtype=torch.float16).to("cuda")
-    write_calibration(pipe, calibration, args.size)  # what `easel export --fp8` writes
     # The measured text comes from the model's own encoders too, for prompts that are not the
     # calibration's.
     with torch.no_grad():

@@ -20,8 +20,8 @@ import logging
 
 import torch
 
-from bench.common import bench_parser, random_sdxl, random_sdxl_denoiser, rel_rms, start_logging, write_json
-from bench.fp8_probe import noise, probe_batches
+from bench.common import bench_parser, random_sdxl_denoiser, rel_rms, start_logging, write_json
+from bench.fp8_probe import fp8_calibration, noise, probe_batches
 
 log = logging.getLogger("bench.fp8_scaling")
 
@@ -38,20 +38,16 @@ def main() -> None:
     p.add_argument("--compiled", action="store_true", help="also the first version under torch.compile")
     args = p.parse_args()
     start_logging()
-    from diffusers import StableDiffusionXLPipeline
     from safetensors.torch import load_file
 
     from backends.core.runtime.artifacts import load_unet_halves
     from backends.core.runtime.config import FP8_PARTS, RuntimeConfig
-    from backends.core.runtime.fp8 import CALIBRATION_FILE, write_calibration
     from backends.core.runtime.placement import Placement
     from backends.core.runtime.torch_eager import EagerUNetRuntime
     from backends.core.runtime.torch_fast import FastUNetRuntime
 
-    model, folder = random_sdxl(args.work), random_sdxl_denoiser(args.work)
-    calibration = args.work / CALIBRATION_FILE
-    write_calibration(StableDiffusionXLPipeline.from_pretrained(model, dtype=torch.float16).to("cuda"),
-                      calibration, args.size)
+    folder = random_sdxl_denoiser(args.work)
+    calibration = fp8_calibration(args.work, args.size)
     where, latent = Placement("cuda:0", "fp16"), args.size // 8
     data = load_file(str(calibration), device="cuda")
     rows = [0, data["text"].shape[0] // 2]  # the empty prompt and the first calibration prompt

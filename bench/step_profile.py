@@ -117,8 +117,8 @@ def main() -> None:
     p.add_argument("--kinds", default="graphs+fused,compiled",
                    help="eager, graphs or compiled, each optionally +cl (channels_last), +fused, +cudnn (attention), "
                         "+unpacked (no packed attention projections), +bench (cudnn.benchmark: convolution algorithms "
-                        "timed, not guessed), +fp8 (RuntimeConfig.fp8: every part), and for compiled inductor's " + ", ".join(f"+{k} ({v})" for k, v in
-                                                                                       INDUCTOR_OPTIONS.items()))
+                        "timed, not guessed), +fp8 (RuntimeConfig.fp8: every part), and for compiled inductor's "
+                        + ", ".join(f"+{k} ({v})" for k, v in INDUCTOR_OPTIONS.items()))
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
     start_logging()
