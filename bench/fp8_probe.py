@@ -11,7 +11,7 @@ FP8's own products diagnosed one by one (bench/fp8_fidelity.diagnose); and a who
 request (Euler, guidance 5, another prompt) through it: its denoised latents' error and its
 image's PSNR against fp16's (the image says less: a random VAE saturates much of it). Variants:
 `fp16`; `fp8` (attention, feed-forward and the blocks' projections); `fp8-ff` (feed-forward
-only: its products are the largest).
+only: its products are the largest); `fp8-fast` (`fp8` with cuBLAS's fast accumulation).
 
 fp16 runs compiled by default (`--fp16-kind graphs`: exact, without the compile). Before the
 engine's stream waited for its caller's (TorchDenoiser.on_stream), the probe's last noise
@@ -41,7 +41,8 @@ from bench.runtime_micro import gpu_ms
 
 log = logging.getLogger("bench.fp8_probe")
 PROMPTS = ("a lighthouse on a cliff in a storm, dramatic clouds", "a bowl of ramen on a wooden table, top view")
-VARIANTS = {"fp16": None, "fp8": FP8_PARTS, "fp8-ff": ("feed_forward",)}
+VARIANTS = {"fp16": None, "fp8": FP8_PARTS, "fp8-ff": ("feed_forward",), "fp8-fast": FP8_PARTS}
+FAST_ACCUM = {"fp8-fast"}
 
 
 def noise(runtime, batch) -> torch.Tensor:
@@ -164,6 +165,8 @@ def main() -> None:
         entry = report["variants"][name] = {"kind": kind, "load_s": time.perf_counter() - start}
         if runtime.fp8_layers:
             layers = runtime.fp8_layers
+            for layer in layers:  # before the warm-up compiles them
+                layer.fast_accum = name in FAST_ACCUM
             entry.update(fp8_linears=len(layers), input_amax={"min": min(float(x.x_amax) for x in layers),
                                                               "max": max(float(x.x_amax) for x in layers)})
         template = template_batch(eager.weights_module, dev, torch.float16)

@@ -45,9 +45,12 @@ def runtimes(folder):
     return EagerUNetRuntime(*load_unet_halves(folder, where)), build_runtime(folder, where, CONFIG)
 
 
-def test_fp8_graphs_stay_near_the_fp16_step(folder):
+@pytest.mark.parametrize("fast_accum", [False, True])
+def test_fp8_graphs_stay_near_the_fp16_step(folder, fast_accum):
     exact, fp8 = runtimes(folder)
     assert fp8.fp8_layers and all(float(layer.x_scale) > 0 for layer in fp8.fp8_layers)
+    for layer in fp8.fp8_layers:  # before the first step captures the graphs
+        layer.fast_accum = fast_accum
     for rows in (1, 2):
         b = batch(exact.weights_module, rows, seed=rows)
         error = rel_rms(step(fp8, b), step(exact, b))
