@@ -13,7 +13,7 @@ image's PSNR against fp16's (the image says less: a random VAE saturates much of
 `fp16`; `fp8` (attention, feed-forward and the blocks' projections); `fp8-ff` (feed-forward
 only: its products are the largest); `fp8-fast` (`fp8` with cuBLAS's fast accumulation).
 
-fp16 runs compiled by default (`--fp16-kind graphs`: exact, without the compile). Before the
+fp16 runs compiled by default (`--fp16-kind graphs` skips the compile). Before the
 engine's stream waited for its caller's (TorchDenoiser.on_stream), the probe's last noise
 prediction and the engine's first step of the request ran concurrently on the same graphs' buffers:
 every FP8 variant's noise then measured 127-131% away, while FP8's own error is 3.0-3.3%
