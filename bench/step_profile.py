@@ -161,7 +161,9 @@ def main() -> None:
         eager = EagerUNetRuntime(*load_unet_halves(folder, where))
         template = template_batch(eager.weights_module, torch.device("cuda:0"), torch.float16)
         batch = _resized(template, args.rows, latent, latent)
-        entry = report["variants"][name] = {}
+        # A variant named twice (alternated with another, against drift) keeps each run: "name #2".
+        runs = sum(key.split(" #")[0] == name for key in report["variants"])
+        entry = report["variants"][name if not runs else f"{name} #{runs + 1}"] = {}
         if kind == "eager":
             runtime, enc_fn, dec_fn = eager, eager.encoder, eager.decoder
             if set(options) - {"cudnn"}:
