@@ -59,6 +59,22 @@ def random_sdxl_denoiser(work: Path) -> Path:
     return repo / "denoiser_gpu0" / "1"
 
 
+def random_sdxl_fp8_calibration(work: Path, size: int, pipe=None) -> Path:
+    """The calibration data `easel export --fp8` writes, for random_sdxl(work) at `size` px;
+    written once. `pipe`: that model's pipeline on the GPU, if the caller has it loaded already."""
+    import torch
+    from diffusers import StableDiffusionXLPipeline
+
+    from backends.core.runtime.fp8 import CALIBRATION_FILE, write_calibration
+
+    path = work / f"{size}px_{CALIBRATION_FILE}"
+    if not path.exists():
+        if pipe is None:
+            pipe = StableDiffusionXLPipeline.from_pretrained(random_sdxl(work), dtype=torch.float16).to("cuda")
+        write_calibration(pipe, path, size)
+    return path
+
+
 def tiny(work: Path, adapters: bool = False) -> Path:
     """The tiny test pipeline, with its tiny adapter store in `<model>/adapters` if asked."""
     from export.tiny import write_tiny_pipeline

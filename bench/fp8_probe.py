@@ -30,12 +30,12 @@ from __future__ import annotations
 import logging
 import statistics
 import time
-from pathlib import Path
 
 import torch
 
 from backends.core.runtime.config import FP8_PARTS
-from bench.common import bench_parser, random_sdxl, random_sdxl_denoiser, rel_rms, start_logging, write_json
+from bench.common import (bench_parser, random_sdxl, random_sdxl_denoiser, random_sdxl_fp8_calibration, rel_rms,
+                          start_logging, write_json)
 from bench.fp8_fidelity import diagnose
 from bench.runtime_micro import gpu_ms
 
@@ -62,19 +62,6 @@ def counters_since(before: dict) -> dict:
     return {group: {k: n - before.get(group, {}).get(k, 0) for k, n in values.items()
                     if n != before.get(group, {}).get(k, 0)}
             for group, values in compile_counters().items()}
-
-
-def fp8_calibration(work: Path, size: int) -> Path:
-    """The calibration data `easel export --fp8` writes, for random_sdxl(work) at `size` px; written once."""
-    from diffusers import StableDiffusionXLPipeline
-
-    from backends.core.runtime.fp8 import CALIBRATION_FILE, write_calibration
-
-    path = work / f"{size}px_{CALIBRATION_FILE}"
-    if not path.exists():
-        pipe = StableDiffusionXLPipeline.from_pretrained(random_sdxl(work), dtype=torch.float16).to("cuda")
-        write_calibration(pipe, path, size)
-    return path
 
 
 def probe_batches(size: int, texts: dict) -> dict:
@@ -122,8 +109,8 @@ def main() -> None:
     from backends.core.stages.vae_decoding import LatentDecoder
 
     model, folder = random_sdxl(args.work), random_sdxl_denoiser(args.work)
-    calibration = fp8_calibration(args.work, args.size)
     pipe = StableDiffusionXLPipeline.from_pretrained(model, dtype=torch.float16).to("cuda")
+    calibration = random_sdxl_fp8_calibration(args.work, args.size, pipe)
     # The measured text comes from the model's own encoders too, for prompts that are not the
     # calibration's.
     with torch.no_grad():

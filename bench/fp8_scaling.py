@@ -20,8 +20,9 @@ import logging
 
 import torch
 
-from bench.common import bench_parser, random_sdxl_denoiser, rel_rms, start_logging, write_json
-from bench.fp8_probe import fp8_calibration, noise, probe_batches
+from bench.common import (bench_parser, random_sdxl_denoiser, random_sdxl_fp8_calibration, rel_rms, start_logging,
+                          write_json)
+from bench.fp8_probe import noise, probe_batches
 
 log = logging.getLogger("bench.fp8_scaling")
 
@@ -47,7 +48,7 @@ def main() -> None:
     from backends.core.runtime.torch_fast import FastUNetRuntime
 
     folder = random_sdxl_denoiser(args.work)
-    calibration = fp8_calibration(args.work, args.size)
+    calibration = random_sdxl_fp8_calibration(args.work, args.size)
     where, latent = Placement("cuda:0", "fp16"), args.size // 8
     data = load_file(str(calibration), device="cuda")
     rows = [0, data["text"].shape[0] // 2]  # the empty prompt and the first calibration prompt

@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from bench.common import bench_parser, random_sdxl_denoiser, start_logging
+from bench.common import bench_parser, random_sdxl_denoiser, random_sdxl_fp8_calibration, start_logging
 from bench.runtime_micro import gpu_ms
 
 log = logging.getLogger("bench.step_profile")
@@ -135,9 +135,7 @@ def main() -> None:
     folder = random_sdxl_denoiser(args.work)
     calibration = None
     if any("fp8" in name.split("+") for name in args.kinds.split(",")):
-        from bench.fp8_probe import fp8_calibration
-
-        calibration = fp8_calibration(args.work, args.size)
+        calibration = random_sdxl_fp8_calibration(args.work, args.size)
     where = Placement("cuda:0", "fp16")
     latent = args.size // 8
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "size": args.size, "rows": args.rows,
