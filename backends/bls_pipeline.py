@@ -103,7 +103,7 @@ class BlsPipeline:
         try:
             job = self._admit(request, sender)
         except Exception as exc:
-            sender.send(failure(exc, self.name, log), flags=FINAL)
+            sender.send(failure(exc, self.name, log, stream=self.progress), flags=FINAL)
             return
         self.pool.submit(self._run, job)
 
@@ -129,7 +129,7 @@ class BlsPipeline:
             image, info = self._pipeline(job)
             response = pb_utils.InferenceResponse([image, info])
         except Exception as exc:
-            response = failure(exc, self.name, log)
+            response = failure(exc, self.name, log, stream=self.progress)
         with self.lock:
             self.jobs.discard(job)
         with job.answering:

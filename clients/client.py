@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import queue
+import re
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any, Iterator
@@ -16,9 +17,10 @@ log = logging.getLogger(__name__)
 
 DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
 STREAM_MODEL = "easel_stream"
-# Asks Triton (2.47+) to end a gRPC stream with the error's own status (INVALID_ARGUMENT, NOT_FOUND,
-# ...): without it a stream's error is a message with no status at all.
-STREAM_ERROR_HEADER = {"triton_grpc_error": "true"}
+# A gRPC stream's error reaches the client as a message alone, so `easel_stream` heads it with its
+# status ("INVALID_ARGUMENT: width: ..."). Not Triton's header `triton_grpc_error`, which ends the
+# stream with the status: in Triton 2.51 it crashes tritonserver (backends/triton_adapter.py).
+STREAM_STATUS = re.compile(r"(INVALID_ARGUMENT|NOT_FOUND|UNAVAILABLE|CANCELLED|INTERNAL): (.*)", re.DOTALL)
 # Diffusion on CPU can take minutes; tritonclient's HTTP default (60 s) would cut it off.
 DEFAULT_TIMEOUT_S = 3600.0
 
@@ -249,7 +251,7 @@ class EaselClient:
         finished = False
         try:
             client.start_stream(callback=lambda result, error: answers.put((result, error)),
-                                stream_timeout=timeout_s, headers=STREAM_ERROR_HEADER)
+                                stream_timeout=timeout_s)
             # The deadline also goes as the request's timeout: the denoiser drops it past that.
             client.async_stream_infer(STREAM_MODEL, inputs, timeout=int(timeout_s * 1e6))
             deadline = time.monotonic() + timeout_s
@@ -261,7 +263,7 @@ class EaselClient:
                                      "StatusCode.DEADLINE_EXCEEDED") from None
                 if error is not None:
                     finished = True
-                    raise EaselError(error.message() or str(error), error.status())
+                    raise stream_error(error)
                 image = result.as_numpy("image")
                 if image is not None:
                     finished = True
@@ -273,6 +275,18 @@ class EaselClient:
         finally:
             client.stop_stream(cancel_requests=not finished)
             client.close()
+
+
+def stream_error(error) -> EaselError:
+    """A stream's error as EaselError: its gRPC status when the stream ended with one (its
+    deadline), else the status `easel_stream` named at the head of the message (STREAM_STATUS)."""
+    message = error.message() or str(error)
+    if error.status() is not None:
+        return EaselError(message, error.status())
+    named = STREAM_STATUS.fullmatch(message)
+    if named is None:  # (Triton's own, before the model ran: e.g. a wrong input type)
+        return EaselError(message)
+    return EaselError(named[2], f"StatusCode.{named[1]}")
 
 
 def progress_of(result) -> Progress:

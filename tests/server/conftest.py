@@ -10,7 +10,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from clients.client import EaselClient
-from clients.serve import TritonServer, scrape_metrics
+from clients.serve import LOG_TAIL_LINES, TritonServer, scrape_metrics
 from export.repository import ExportOptions, export_repository
 
 # Small enough for two CPU cores, large enough that the limits tests have room. 200 steps: a
@@ -24,6 +24,19 @@ def start_server(model, repo):
     options = dataclasses.replace(OPTIONS, adapters=str(adapters) if adapters.is_dir() else None)
     export_repository(model, repo, options)
     return TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=300).start()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item, call):
+    """A failed test whose shared server has died carries the end of that server's log: CI keeps
+    nothing else of it, and the tests after it fail only with "connection refused"."""
+    report = (yield).get_result()
+    if report.when != "call" or not report.failed:
+        return
+    for name, value in getattr(item, "funcargs", {}).items():
+        if isinstance(value, TritonServer) and value.proc is not None and value.proc.poll() is not None:
+            tail = "\n".join(value.log_text().splitlines()[-LOG_TAIL_LINES:])
+            report.sections.append((f"tritonserver `{name}` exited with {value.proc.returncode}", tail))
 
 
 @pytest.fixture(scope="session")
