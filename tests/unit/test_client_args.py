@@ -10,7 +10,7 @@ import pytest
 
 from clients import cli
 from clients.client import (EaselClient, EaselError, GenerateRequest, build_inputs,
-                            parse_result)
+                            parse_result, stream_error)
 
 
 def _generate_args(*extra: str):
@@ -86,6 +86,24 @@ def test_default_urls():
 def test_unreachable_server_raises_easel_error():
     with pytest.raises(EaselError):
         EaselClient("127.0.0.1:1", timeout_s=5).generate("a cat")
+
+
+@pytest.mark.parametrize("message, status, expected", [
+    # easel_stream's own errors: the status heads the message (backends/triton_adapter.py)
+    ("INVALID_ARGUMENT: width: 60 is not a multiple of 8", None,
+     ("width: 60 is not a multiple of 8", "StatusCode.INVALID_ARGUMENT")),
+    ("NOT_FOUND: loras: unknown LoRA 'x'", None, ("loras: unknown LoRA 'x'", "StatusCode.NOT_FOUND")),
+    ("INTERNAL: easel_stream: boom\nsecond line", None, ("easel_stream: boom\nsecond line", "StatusCode.INTERNAL")),
+    # Triton's own in-band errors name no status; a stream that ended with one keeps it
+    ("unexpected datatype TYPE_FP32 for input 'seed'", None, ("unexpected datatype TYPE_FP32 for input 'seed'", None)),
+    ("Deadline Exceeded", "StatusCode.DEADLINE_EXCEEDED", ("Deadline Exceeded", "StatusCode.DEADLINE_EXCEEDED")),
+    ("Invalid: not a status", None, ("Invalid: not a status", None)),
+])
+def test_a_streams_error_takes_the_status_its_message_names(message, status, expected):
+    from tritonclient.utils import InferenceServerException
+
+    err = stream_error(InferenceServerException(message, status=status))
+    assert (str(err), err.status) == expected
 
 
 def test_parse_result():
