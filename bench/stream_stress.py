@@ -1,0 +1,138 @@
+"""Stream stress: `easel_stream` under requests it refuses at a high rate beside normal and
+cancelled streams, on the tiny CPU models, until it fails or the time is up.
+
+Each client thread runs one kind of request in a loop, as fast as the server answers:
+- `refused`: `preview_every` out of range, refused by the pipeline's `execute`;
+- `refused-late`: a width that is not a multiple of 8, refused by preprocess (through BLS);
+- `stream`: a normal 4-step stream with previews;
+- `cancel`: a 30-step stream cancelled after its first progress response.
+A run fails when a request gets anything but its kind's outcome (the server's "stub process is
+not healthy", a dropped connection), when tritonserver exits, or when no thread finished a
+request for `--stall` seconds. On the 2-core CPU machine (bench/results/2026-11-24-cpu/notes.md)
+a refusing kind beside `stream` or `cancel` made the Python stub of `easel_stream` stop answering
+("not healthy") after 15-165 s in 7 of 8 runs; two refusing kinds alone, or `stream` beside
+`cancel`, ran 240-300 s clean.
+
+    python3 -m bench.stream_stress --work /tmp/easel-stress --out stress.json --mix refused,cancel --seconds 240
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import threading
+import time
+from collections import Counter
+from contextlib import closing
+from pathlib import Path
+
+log = logging.getLogger("bench.stream_stress")
+
+KINDS = ("refused", "refused-late", "stream", "cancel")
+SMALL = dict(seed=3, steps=4, width=64, height=64)
+
+
+def one(client, kind: str) -> str:
+    """Runs one request of `kind`; returns its outcome, "ok" where it was the expected one."""
+    from clients.client import EaselError, GenerateRequest
+
+    try:
+        if kind == "refused":
+            list(client.stream(GenerateRequest("a cat", **SMALL), preview_every=-1))
+        elif kind == "refused-late":
+            list(client.stream(GenerateRequest("a cat", **{**SMALL, "width": 60})))
+        elif kind == "stream":
+            events = list(client.stream(GenerateRequest("a cat", **SMALL), preview_every=2))
+            return "ok" if len(events) == SMALL["steps"] + 1 else f"{len(events)} events"
+        else:
+            request = GenerateRequest("a cat", seed=1, steps=30, width=128, height=128)
+            with closing(client.stream(request, timeout_s=600)) as events:
+                next(events)  # closing the stream after the first step cancels it
+            return "ok"
+    except EaselError as e:
+        refused = kind.startswith("refused") and e.status == "StatusCode.INVALID_ARGUMENT"
+        return "ok" if refused else f"{e.status}: {e}"
+    return "answered" if kind.startswith("refused") else "ok"
+
+
+def stress(server, mix: list[str], seconds: float, stall_s: float) -> dict:
+    from clients.client import EaselClient
+
+    done: Counter = Counter()
+    failures: list[dict] = []
+    stop = threading.Event()
+    start = time.monotonic()
+
+    def client_loop(kind: str) -> None:
+        with EaselClient(server.url_grpc, protocol="grpc", timeout_s=60) as client:
+            while not stop.is_set():
+                outcome = one(client, kind)
+                if outcome != "ok":
+                    failures.append({"kind": kind, "after_s": round(time.monotonic() - start, 1), "outcome": outcome})
+                    stop.set()
+                    return
+                done[kind] += 1
+
+    threads = [threading.Thread(target=client_loop, args=(kind,), daemon=True) for kind in mix]
+    for t in threads:
+        t.start()
+    last, last_change = 0, time.monotonic()
+    while not stop.wait(1.0):
+        now, total = time.monotonic(), sum(done.values())
+        if total != last:
+            last, last_change = total, now
+        if server.proc.poll() is not None:
+            failures.append({"kind": "server", "after_s": round(now - start, 1),
+                             "outcome": f"tritonserver exited with {server.proc.returncode}"})
+        elif now - last_change > stall_s:
+            failures.append({"kind": "all", "after_s": round(now - start, 1),
+                             "outcome": f"no request finished for {stall_s:.0f} s"})
+        elif now - start > seconds:
+            break
+        else:
+            continue
+        break
+    stop.set()
+    for t in threads:
+        t.join(timeout=10)
+    return {"mix": mix, "seconds": round(time.monotonic() - start, 1), "requests": dict(done),
+            "failures": failures, "server_alive": server.proc.poll() is None}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--work", type=Path, required=True)
+    p.add_argument("--out", type=Path, required=True)
+    p.add_argument("--mix", default="refused,cancel", help=f"client threads, one kind each, of {', '.join(KINDS)}")
+    p.add_argument("--seconds", type=float, default=240.0)
+    p.add_argument("--stall", type=float, default=30.0, help="seconds with no request finished that count as a hang")
+    args = p.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    mix = [k.strip() for k in args.mix.split(",") if k.strip()]
+    unknown = sorted(set(mix) - set(KINDS))
+    if unknown or not mix:
+        p.error(f"--mix: unknown kinds {unknown}; choose from {', '.join(KINDS)}")
+
+    from bench.common import tiny
+    from clients.serve import TritonServer
+    from export.repository import ExportOptions, export_repository
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    repo = args.work / "repo"
+    export_repository(tiny(args.work), repo, ExportOptions(device="cpu", max_size=256, max_steps=200))
+    server = TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=300).start()
+    try:
+        server.wait_ready()
+        report = stress(server, mix, args.seconds, args.stall)
+        report["server_log_tail"] = server.log_text().splitlines()[-40:]
+    finally:
+        server.stop()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    log.info("%s: %s in %.0f s; failures: %s", ",".join(mix), report["requests"], report["seconds"],
+             report["failures"] or "none")
+
+
+if __name__ == "__main__":
+    main()
