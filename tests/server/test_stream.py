@@ -197,7 +197,7 @@ def test_stream_errors_leave_the_server_up(server, grpc_client):
     """A gRPC stream's errors reach the client as messages that begin with their status, and
     EaselClient reads the status there: it does not send Triton's header `triton_grpc_error`,
     with which Triton 2.51 ends the stream with the status instead but crashes tritonserver
-    (SIGSEGV in its gRPC frontend after 100-1,000 failed requests from two threads while a third
+    (SIGSEGV in its gRPC frontend after 200-1,700 failed requests from two threads while a third
     streamed: in each of 8 runs on a 2-core CPU machine, this test's among them). The same load without it: 2 x 500 refused requests
     (refused at admission and by preprocess) beside normal streams, then one more normal stream."""
     refusals = [(GenerateRequest("a cat", **SMALL), -1), (GenerateRequest("a cat", **{**SMALL, "width": 60}), None)]
