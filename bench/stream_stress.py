@@ -85,14 +85,13 @@ def stress(server, mix: list[str], seconds: float, stall_s: float) -> dict:
         if server.proc.poll() is not None:
             failures.append({"kind": "server", "after_s": round(now - start, 1),
                              "outcome": f"tritonserver exited with {server.proc.returncode}"})
-        elif now - last_change > stall_s:
+            break
+        if now - last_change > stall_s:
             failures.append({"kind": "all", "after_s": round(now - start, 1),
                              "outcome": f"no request finished for {stall_s:.0f} s"})
-        elif now - start > seconds:
             break
-        else:
-            continue
-        break
+        if now - start > seconds:
+            break
     stop.set()
     for t in threads:
         t.join(timeout=10)
