@@ -228,7 +228,7 @@ def stream_status_message(message: str, code) -> str:
     stream's errors: Triton 2.51 hands those to the client as a message alone, and its mode that
     ends the stream with the status instead (header `triton_grpc_error`) crashes tritonserver
     (SIGSEGV in its gRPC frontend, seen after 200-1,700 failed requests while other streams ran)."""
-    name = next((g for n, g in GRPC_NAMES.items() if code is not None and code_of(n) == code), "INTERNAL")
+    name = next((g for n, g in GRPC_NAMES.items() if code_of(n) == code), "INTERNAL")
     return f"{name}: {message}"
 
 
