@@ -49,6 +49,7 @@ def parser() -> argparse.ArgumentParser:
                    help="Easel's VAE dtype (export --vae-dtype; default: diffusers', fp32 for SDXL)")
     p.add_argument("--fp8", type=fp8_parts, default=(),
                    help="Easel's transformer products in FP8 (export --fp8: parts, or all; approximate)")
+    p.add_argument("--fp8-fast-accum", action="store_true", help="with --fp8: export --fp8-fast-accum")
     p.add_argument("--controlnets", type=int, default=0, help="ControlNets per request (random SDXL-size ones)")
     p.add_argument("--loras", type=int, default=0, help="LoRAs per request (random SDXL-size ones)")
     p.add_argument("--lora-mib", type=float, default=340.0, help="size of each random LoRA file (fp16)")
@@ -138,6 +139,7 @@ class Setup:
     shared_compile_cache: bool = False
     vae_dtype: str | None = None
     fp8: tuple[str, ...] = ()
+    fp8_fast_accum: bool = False
 
     @property
     def name(self) -> str:
@@ -164,7 +166,8 @@ class Setup:
 
         return ((self.runtime or default_kind(self.device)) + ("+fused" if self.fused_kernels else "")
                 + (f"+vae-{self.vae_dtype}" if self.vae_dtype else "")
-                + ("+fp8-" + "-".join(self.fp8) if self.fp8 else ""))
+                + ("+fp8-" + "-".join(self.fp8) if self.fp8 else "")
+                + ("+fast-accum" if self.fp8_fast_accum else ""))
 
     def easel_rounds(self, c: int) -> int:
         return self.rounds or (2 if self.smoke else max(2, 8 // c))
@@ -200,7 +203,7 @@ def resolve(args: argparse.Namespace) -> Setup:
                  lora_mib=0.25 if smoke else args.lora_mib, gpus=gpus, cfg_parallel=tuple(args.cfg_parallel),
                  controlnet_gpus=tuple(args.controlnet_gpus) if args.controlnet_gpus else None,
                  ready_timeout=args.ready_timeout, shared_compile_cache=args.shared_compile_cache,
-                 vae_dtype=args.vae_dtype, fp8=tuple(args.fp8),
+                 vae_dtype=args.vae_dtype, fp8=tuple(args.fp8), fp8_fast_accum=args.fp8_fast_accum,
                  smoke=smoke, **pick)
 
 

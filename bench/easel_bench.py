@@ -256,6 +256,7 @@ def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> No
         extra["vae_dtype"] = setup.vae_dtype
     if setup.fp8:
         extra["fp8"] = setup.fp8
+        extra["fp8_fast_accum"] = setup.fp8_fast_accum
     top = max(setup.concurrency)
     options = ExportOptions(
         device=setup.device, dtype=setup.dtype, gpus=setup.gpus, cfg_parallel=setup.cfg_parallel,

@@ -124,6 +124,8 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--fp8", type=_fp8_parts, default=(),
                      help="experimental: the transformer blocks' products in FP8 with calibrated scales (approximate, faster; README): "
                           "comma-separated parts of attention,feed_forward,projections, or all (default: none)")
+    exp.add_argument("--fp8-fast-accum", action="store_true",
+                     help="with --fp8: cuBLAS's fast accumulation of the FP8 products (faster; README)")
     prof = sub.add_parser("profile-lora", help="measure each LoRA's bound K (steps it may join late) for a repository")
     prof.add_argument("--repo", required=True, help="a model repository exported with --adapters")
     prof.add_argument("--loras", default=None, help="comma-separated names (default: every LoRA in the store)")
@@ -164,7 +166,8 @@ def main(argv: list[str] | None = None) -> int:
                                 controlnet_cache_gib=args.controlnet_cache_gib, controlnet_mode=args.controlnet_mode,
                                 runtime=args.runtime, row_buckets=args.row_buckets, warmup_sizes=args.warmup_sizes,
                                 channels_last=args.channels_last, fused_kernels=args.fused_kernels,
-                                vae_attention=args.vae_attention, vae_dtype=args.vae_dtype, fp8=args.fp8)
+                                vae_attention=args.vae_attention, vae_dtype=args.vae_dtype, fp8=args.fp8,
+                                fp8_fast_accum=args.fp8_fast_accum)
         export_repository(args.model, args.out, options)
         return 0
     if args.command == "profile-lora":

@@ -83,6 +83,7 @@ class ExportOptions:
     # The transformer blocks' products in FP8 (RuntimeConfig.fp8: parts of FP8_PARTS; approximate).
     # Export writes the calibration data the runtime reads at load: the text of a few prompts.
     fp8: tuple[str, ...] = ()
+    fp8_fast_accum: bool = False  # RuntimeConfig.fp8_fast_accum
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -114,6 +115,8 @@ class ExportOptions:
         check_fp8_parts(self.fp8, "fp8")
         if self.fp8 and self.resolved_runtime == "eager":
             raise ValueError("fp8: needs a fast runtime (--device cuda, --runtime graphs or compiled)")
+        if self.fp8_fast_accum and not self.fp8:
+            raise ValueError("fp8_fast_accum: needs --fp8 (parts in FP8)")
 
     @property
     def resolved_runtime(self) -> str:
@@ -127,7 +130,8 @@ class ExportOptions:
         sizes = tuple((s // vae_scale_factor, s // vae_scale_factor) for s in pixels)
         return RuntimeConfig(kind=self.resolved_runtime, row_buckets=self.resolved_row_buckets, warmup_sizes=sizes,
                              warmup_residuals=bool(self.adapters), channels_last=self.channels_last,
-                             fused_kernels=self.fused_kernels, fp8=self.fp8)
+                             fused_kernels=self.fused_kernels, fp8=self.fp8,
+                             fp8_fast_accum=self.fp8_fast_accum)
 
     @property
     def denoiser_gpus(self) -> tuple[int, ...]:

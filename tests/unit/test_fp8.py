@@ -159,3 +159,15 @@ def test_fp8_is_configured_only_for_a_fast_runtime():
     assert parser().parse_args(["export", "--model", "m", "--out", "o", "--fp8", "feed_forward"]).fp8 == ("feed_forward",)
     with pytest.raises(SystemExit):
         parser().parse_args(["export", "--model", "m", "--out", "o", "--fp8", "ff"])
+
+
+def test_fast_accumulation_is_an_fp8_option_that_reaches_the_runtime_config():
+    with pytest.raises(ValueError, match="runtime.fp8_fast_accum: needs runtime.fp8"):
+        RuntimeConfig(kind="compiled", fp8_fast_accum=True)
+    with pytest.raises(ValueError, match="fp8_fast_accum: needs --fp8"):
+        ExportOptions(device="cuda", gpus=(0,), fp8_fast_accum=True)
+    args = parser().parse_args(["export", "--model", "m", "--out", "o", "--fp8", "all", "--fp8-fast-accum"])
+    options = ExportOptions(device="cuda", gpus=(0,), fp8=args.fp8, fp8_fast_accum=args.fp8_fast_accum)
+    config = options.runtime_config(8, 1024)
+    assert config.fp8_fast_accum and RuntimeConfig.from_dict(config.to_dict()) == config
+    assert not ExportOptions(device="cuda", gpus=(0,), fp8=FP8_PARTS).runtime_config(8, 1024).fp8_fast_accum

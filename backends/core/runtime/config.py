@@ -53,6 +53,10 @@ class RuntimeConfig:
     # The transformer blocks' products in FP8 with scales calibrated at load (runtime/fp8.py), for
     # these parts of FP8_PARTS; empty: none (exact). Approximate: opt-in, measured by PSNR.
     fp8: tuple[str, ...] = ()
+    # FP8 products with cuBLAS's fast accumulation (Hopper: partial sums not promoted to fp32).
+    # Measured on an H200 (bench/fp8_probe.py, 1024 px, 2 rows): a step 27.58 -> 27.15 ms, the
+    # noise's error from fp16 3.18% -> 3.12% (the products' own e4m3 rounding dominates).
+    fp8_fast_accum: bool = False
 
     def __post_init__(self):
         if self.kind not in RUNTIME_KINDS:
@@ -62,6 +66,8 @@ class RuntimeConfig:
         object.__setattr__(self, "fp8", check_fp8_parts(self.fp8, "runtime.fp8"))
         if self.fp8 and self.kind == "eager":
             raise ValueError("runtime.fp8: needs a fast runtime (graphs or compiled), not eager")
+        if self.fp8_fast_accum and not self.fp8:
+            raise ValueError("runtime.fp8_fast_accum: needs runtime.fp8 (parts in FP8)")
         if not self.row_buckets or self.row_buckets[0] < 1:
             raise ValueError(f"runtime.row_buckets: {self.row_buckets} needs positive row counts")
         for size in self.warmup_sizes:

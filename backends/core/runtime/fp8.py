@@ -57,9 +57,8 @@ class Fp8Linear(nn.Module):
         self.register_buffer("x_inverse", torch.ones((), dtype=torch.float32, device=weight.device))
         self.register_buffer("x_amax", torch.zeros((), dtype=torch.float32, device=weight.device))
         self.calibrating = False
-        # cuBLAS's fast accumulation: on Hopper it skips promoting the e4m3 products' partial sums
-        # to fp32, which is faster and less exact. Off unless a benchmark sets it
-        # (bench/fp8_probe.py's fp8-fast variant); set it before the runtime compiles.
+        # cuBLAS's fast accumulation (RuntimeConfig.fp8_fast_accum); set before the runtime
+        # compiles or captures the layer.
         self.fast_accum = False
         self.requantize()
 

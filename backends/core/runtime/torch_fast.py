@@ -114,6 +114,8 @@ class FastUNetRuntime:
         from backends.core.runtime.fp8 import calibrate_from_file, use_fp8
 
         self.fp8_layers = use_fp8(self.weights_module, self.config.fp8)
+        for layer in self.fp8_layers:  # before anything compiles or captures them
+            layer.fast_accum = self.config.fp8_fast_accum
         # The eager runtime's index of layers must hold the FP8 modules now in the tree: a batch
         # that mixes LoRAs hooks its low-rank terms onto them.
         self.eager.layers = ModelLayers(self.weights_module)
