@@ -5,6 +5,7 @@ Only the adapters import this module; the core (backends/core) never sees Triton
 
 from __future__ import annotations
 
+import gc
 import json
 import logging
 import time
@@ -265,6 +266,16 @@ def each_request(requests, handle, what: str, marked: bool = False) -> list:
         except Exception as exc:
             responses.append(failure(exc, what, log, marked or wants_marks(request)))
     return responses
+
+
+def drop_metrics(owner, *names: str) -> None:
+    """Drops `owner`'s metric objects (attributes `names`) from a model's `finalize`, while the stub
+    still reaches Triton. Left to the stub's own teardown, Triton 2.51 clears them after its shared
+    memory is gone: the stub crashed (SIGSEGV in Metric::Clear from ~MetricFamily) at every stop of
+    the server (bench/results/2026-11-24-cpu/notes.md)."""
+    for name in names:
+        delattr(owner, name)
+    gc.collect()  # (a metric in a reference cycle would otherwise wait for the teardown too)
 
 
 class Metrics:

@@ -33,7 +33,7 @@ from backends.core.request.params import InvalidInput, UnknownAdapter  # noqa: E
 from backends.core.runtime.compile_cache import use_compile_cache  # noqa: E402
 from backends.core.adapters.controlnet_cache import ControlNetCache  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
-    Metrics, adapter_store_folder, each_request, parameters, placement, scalar, setup_logging, version_folder)
+    Metrics, adapter_store_folder, drop_metrics, each_request, parameters, placement, scalar, setup_logging, version_folder)
 
 
 # Sessions an instance keeps (a request's image, embeddings and time ids: 13 MB at 1024 px in fp16
@@ -117,6 +117,9 @@ class TritonPythonModel:
         responses = each_request(requests, self._run, "controlnet", marked=True)
         self.metrics.update(self.cache, self.compute_seconds, self.graphs, self.sessions)
         return responses
+
+    def finalize(self):
+        drop_metrics(self, "metrics")
 
     @torch.inference_mode()
     def _run(self, request):

@@ -41,8 +41,8 @@ from backends.core.request.contract import DENOISE_JOB, WIRE_DTYPES, controlnet_
 from backends.core.request.params import InvalidInput  # noqa: E402
 from backends.core.runtime.unet_split import num_skips  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
-    adapter_store_folder, artifact_folder, code_of, error, failure, input_array, mark, parameters, params_tensor,
-    placement, public_message, read_params, scalar, setup_logging)
+    adapter_store_folder, artifact_folder, code_of, drop_metrics, error, failure, input_array, mark, parameters,
+    params_tensor, placement, public_message, read_params, scalar, setup_logging)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("backends.easel_denoiser")
@@ -231,3 +231,4 @@ class TritonPythonModel:
         self.outbox.put(None)
         self.sender.join(timeout=30)
         self.step_metrics.stop()
+        drop_metrics(self, "request_metrics", "metrics", "control_metrics", "runtime_metrics", "step_metrics")
