@@ -33,7 +33,8 @@ from backends.core.request.params import InvalidInput, UnknownAdapter  # noqa: E
 from backends.core.runtime.compile_cache import use_compile_cache  # noqa: E402
 from backends.core.adapters.controlnet_cache import ControlNetCache  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
-    Metrics, adapter_store_folder, drop_metrics, each_request, parameters, placement, scalar, setup_logging, version_folder)
+    Metrics, adapter_store_folder, drop_metrics, each_request, parameters, placement, scalar, setup_logging,
+    version_folder)
 
 
 # Sessions an instance keeps (a request's image, embeddings and time ids: 13 MB at 1024 px in fp16
