@@ -54,8 +54,9 @@ class RuntimeConfig:
     # these parts of FP8_PARTS; empty: none (exact). Approximate: opt-in, measured by PSNR.
     fp8: tuple[str, ...] = ()
     # FP8 products with cuBLAS's fast accumulation (Hopper: partial sums not promoted to fp32).
-    # Measured on an H200 (bench/fp8_probe.py, 1024 px, 2 rows): a step 27.58 -> 27.15 ms, the
-    # noise's error from fp16 3.18% -> 3.12% (the products' own e4m3 rounding dominates).
+    # Measured on H200s (bench/fp8_probe.py, 1024 px, 2 rows): a step 27.58 -> 27.15 ms and
+    # 27.80 -> 27.43 ms; the noise's error from fp16 unchanged at 3.1-3.2% (e4m3's rounding of the
+    # operands dominates).
     fp8_fast_accum: bool = False
 
     def __post_init__(self):
