@@ -5,7 +5,9 @@ Each client thread runs one kind of request in a loop, as fast as the server ans
 - `refused`: `preview_every` out of range, refused by the pipeline's `execute`;
 - `refused-late`: a width that is not a multiple of 8, refused by preprocess (through BLS);
 - `stream`: a normal 4-step stream with previews;
-- `cancel`: a 30-step stream cancelled after its first progress response.
+- `cancel`: a 30-step stream cancelled after its first progress response;
+- `unary`, `unary-refused`: the same through the unary `easel` (a 4-step request, and one whose
+  width preprocess refuses).
 A run fails when a request gets anything but its kind's outcome (the server's "stub process is
 not healthy", a dropped connection), when tritonserver exits, or when no thread finished a
 request for `--stall` seconds. On the 2-core CPU machine (bench/results/2026-11-24-cpu/notes.md)
@@ -31,7 +33,7 @@ from pathlib import Path
 
 log = logging.getLogger("bench.stream_stress")
 
-KINDS = ("refused", "refused-late", "stream", "cancel")
+KINDS = ("refused", "refused-late", "stream", "cancel", "unary", "unary-refused")
 SMALL = dict(seed=3, steps=4, width=64, height=64)
 
 
@@ -44,6 +46,11 @@ def one(client, kind: str) -> str:
             list(client.stream(GenerateRequest("a cat", **SMALL), preview_every=-1))
         elif kind == "refused-late":
             list(client.stream(GenerateRequest("a cat", **{**SMALL, "width": 60})))
+        elif kind == "unary":
+            client.generate("a cat", **SMALL)
+            return "ok"
+        elif kind == "unary-refused":
+            client.generate("a cat", **{**SMALL, "width": 60})
         elif kind == "stream":
             events = list(client.stream(GenerateRequest("a cat", **SMALL), preview_every=2))
             return "ok" if len(events) == SMALL["steps"] + 1 else f"{len(events)} events"
@@ -53,7 +60,7 @@ def one(client, kind: str) -> str:
                 next(events)  # closing the stream after the first step cancels it
             return "ok"
     except EaselError as e:
-        refused = kind.startswith("refused") and e.status == "StatusCode.INVALID_ARGUMENT"
+        refused = "refused" in kind and e.status == "StatusCode.INVALID_ARGUMENT"
         return "ok" if refused else f"{e.status}: {e}"
     return "answered"  # (only the refusing kinds get here)
 
