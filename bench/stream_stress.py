@@ -37,7 +37,7 @@ KINDS = ("refused", "refused-late", "stream", "cancel", "unary", "unary-refused"
 SMALL = dict(seed=3, steps=4, width=64, height=64)
 
 
-def one(client, kind: str) -> str:
+def one(client, kind: str, preview_every: int = 2) -> str:
     """Runs one request of `kind`; returns its outcome, "ok" where it was the expected one."""
     from clients.client import EaselError, GenerateRequest
 
@@ -52,7 +52,7 @@ def one(client, kind: str) -> str:
         elif kind == "unary-refused":
             client.generate("a cat", **{**SMALL, "width": 60})
         elif kind == "stream":
-            events = list(client.stream(GenerateRequest("a cat", **SMALL), preview_every=2))
+            events = list(client.stream(GenerateRequest("a cat", **SMALL), preview_every=preview_every))
             return "ok" if len(events) == SMALL["steps"] + 1 else f"{len(events)} events"
         else:
             request = GenerateRequest("a cat", seed=1, steps=30, width=128, height=128)
@@ -65,7 +65,7 @@ def one(client, kind: str) -> str:
     return "answered"  # (only the refusing kinds get here)
 
 
-def stress(server, mix: list[str], seconds: float, stall_s: float) -> dict:
+def stress(server, mix: list[str], seconds: float, stall_s: float, preview_every: int = 2) -> dict:
     from clients.client import EaselClient
 
     done = [0] * len(mix)  # requests finished, per thread: each thread writes only its own
@@ -76,7 +76,7 @@ def stress(server, mix: list[str], seconds: float, stall_s: float) -> dict:
     def client_loop(index: int, kind: str) -> None:
         with EaselClient(server.url_grpc, protocol="grpc", timeout_s=60) as client:
             while not stop.is_set():
-                outcome = one(client, kind)
+                outcome = one(client, kind, preview_every)
                 if outcome != "ok":
                     failures.append({"kind": kind, "after_s": round(time.monotonic() - start, 1), "outcome": outcome})
                     stop.set()
@@ -107,7 +107,8 @@ def stress(server, mix: list[str], seconds: float, stall_s: float) -> dict:
     requests: Counter = Counter()
     for kind, n in zip(mix, done):
         requests[kind] += n
-    return {"mix": mix, "seconds": round(time.monotonic() - start, 1), "requests": dict(requests),
+    return {"mix": mix, "preview_every": preview_every, "seconds": round(time.monotonic() - start, 1),
+            "requests": dict(requests),
             "failures": failures, "server_alive": server.proc.poll() is None}
 
 
@@ -118,6 +119,7 @@ def main() -> None:
     p.add_argument("--mix", default="refused,cancel", help=f"client threads, one kind each, of {', '.join(KINDS)}")
     p.add_argument("--seconds", type=float, default=240.0)
     p.add_argument("--stall", type=float, default=30.0, help="seconds with no request finished that count as a hang")
+    p.add_argument("--preview-every", type=int, default=2, help="`stream`'s previews (0: step responses, no previews)")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     mix = [k.strip() for k in args.mix.split(",") if k.strip()]
@@ -135,7 +137,7 @@ def main() -> None:
     server = TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=300).start()
     try:
         server.wait_ready()
-        report = stress(server, mix, args.seconds, args.stall)
+        report = stress(server, mix, args.seconds, args.stall, args.preview_every)
         report["server_log_tail"] = server.log_text().splitlines()[-40:]
     finally:
         server.stop()
