@@ -11,7 +11,8 @@ FP8's own products diagnosed one by one (bench/fp8_fidelity.diagnose); and a who
 request (Euler, guidance 5, another prompt) through it: its denoised latents' error and its
 image's PSNR against fp16's (the image says less: a random VAE saturates much of it). Variants:
 `fp16`; `fp8` (attention, feed-forward and the blocks' projections); `fp8-ff` (feed-forward
-only: its products are the largest); `fp8-fast` (`fp8` with cuBLAS's fast accumulation).
+only: its products are the largest); `fp8-fast` (`fp8` with cuBLAS's fast accumulation);
+`fp8-fast-out16` (`fp8-fast` with attention's output projections back in fp16).
 
 fp16 runs compiled by default (`--fp16-kind graphs` skips the compile). Before the
 engine's stream waited for its caller's (TorchDenoiser.on_stream), the probe's last noise
@@ -41,8 +42,35 @@ from bench.runtime_micro import gpu_ms
 
 log = logging.getLogger("bench.fp8_probe")
 PROMPTS = ("a lighthouse on a cliff in a storm, dramatic clouds", "a bowl of ramen on a wooden table, top view")
-VARIANTS = {"fp16": None, "fp8": FP8_PARTS, "fp8-ff": ("feed_forward",), "fp8-fast": FP8_PARTS}
-FAST_ACCUM = {"fp8-fast"}
+VARIANTS = {"fp16": None, "fp8": FP8_PARTS, "fp8-ff": ("feed_forward",), "fp8-fast": FP8_PARTS,
+            "fp8-fast-out16": FP8_PARTS}
+FAST_ACCUM = {"fp8-fast", "fp8-fast-out16"}
+# Attention's output projection back in fp16. Its input comes straight from the attention kernel,
+# so no fused kernel can cast it to e4m3: FP8 gives it a cast kernel of its own (140 a step).
+OUT16 = {"fp8-fast-out16"}
+
+
+def keep_attention_out_fp16(unet, layers: list) -> list:
+    """Puts nn.Linear back for each attention's output projection that is an Fp8Linear (sharing
+    its fp16 weight and bias); returns `layers` without them. Before the runtime compiles."""
+    from diffusers.models.attention import BasicTransformerBlock
+    from torch import nn
+
+    from backends.core.runtime.fp8 import Fp8Linear
+
+    restored = set()
+    for block in unet.modules():
+        if not isinstance(block, BasicTransformerBlock):
+            continue
+        for attn in (block.attn1, block.attn2):
+            fp8 = attn.to_out[0] if attn is not None else None
+            if isinstance(fp8, Fp8Linear):
+                linear = nn.Linear(fp8.weight.shape[1], fp8.weight.shape[0], bias=fp8.bias is not None,
+                                   device="meta")
+                linear.weight, linear.bias = fp8.weight, fp8.bias
+                attn.to_out[0] = linear
+                restored.add(id(fp8))
+    return [layer for layer in layers if id(layer) not in restored]
 
 
 def noise(runtime, batch) -> torch.Tensor:
@@ -150,6 +178,8 @@ def main() -> None:
         config = RuntimeConfig(kind=kind, row_buckets=(2,), fp8=VARIANTS[name] or (), fp8_fast_accum=name in FAST_ACCUM)
         runtime = FastUNetRuntime(eager, config, cache_root=args.work / "cache", fp8_calibration=calibration)
         entry = report["variants"][name] = {"kind": kind, "load_s": time.perf_counter() - start}
+        if name in OUT16:
+            runtime.fp8_layers = keep_attention_out_fp16(runtime.weights_module, runtime.fp8_layers)
         if runtime.fp8_layers:
             layers = runtime.fp8_layers
             entry.update(fp8_linears=len(layers), input_amax={"min": min(float(x.x_amax) for x in layers),

@@ -171,3 +171,30 @@ def test_fast_accumulation_is_an_fp8_option_that_reaches_the_runtime_config():
     config = options.runtime_config(8, 1024)
     assert config.fp8_fast_accum and RuntimeConfig.from_dict(config.to_dict()) == config
     assert not ExportOptions(device="cuda", gpus=(0,), fp8=FP8_PARTS).runtime_config(8, 1024).fp8_fast_accum
+
+
+@torch.no_grad()
+def test_the_probe_can_keep_attention_outputs_in_fp16(folder):
+    """bench/fp8_probe.py's `fp8-fast-out16`: attention's output projections back as nn.Linear on
+    the same fp16 weights, every other product still FP8 (the step stays approximate, and moves)."""
+    from bench.fp8_probe import keep_attention_out_fp16
+
+    _, enc0, dec0 = load_unet_halves(folder, Placement())
+    unet, enc, dec = load_unet_halves(folder, Placement())
+    pack_attention(unet)
+    layers = use_fp8(unet)
+    for layer in layers:  # a fixed range each (calibration is tested above)
+        layer.set_input_range(4.0)
+    measured = inputs(unet, rows=2)
+    want = split_forward(enc0, dec0, *measured)
+    all_fp8 = split_forward(enc, dec, *measured)
+
+    outs = [m.to_out[0] for m in unet.modules() if hasattr(m, "to_out") and isinstance(m.to_out[0], Fp8Linear)]
+    kept = keep_attention_out_fp16(unet, layers)
+    assert outs and len(kept) == len(layers) - len(outs)
+    restored = [m.to_out[0] for m in unet.modules() if hasattr(m, "to_out")]
+    assert all(type(m) is nn.Linear for m in restored)
+    assert {id(m.weight) for m in restored} == {id(f.weight) for f in outs}  # the same Parameters
+    assert all(isinstance(layer, Fp8Linear) for layer in kept) and set(map(id, kept)).isdisjoint(map(id, outs))
+    got = split_forward(enc, dec, *measured)
+    assert 1e-3 < rel_rms(got, want) <= 0.10 and rel_rms(got, all_fp8) > 1e-4
