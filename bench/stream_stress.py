@@ -11,11 +11,10 @@ Each client thread runs one kind of request in a loop, as fast as the server ans
 A run fails when a request gets anything but its kind's outcome (the server's "stub process is
 not healthy", a dropped connection), when tritonserver exits, or when no thread finished a
 request for `--stall` seconds. On the 2-core CPU machine (bench/results/2026-11-24-cpu/notes.md)
-a refusing kind beside `stream` or `cancel` made the Python stub of `easel_stream` stop answering
-("not healthy") after 15-165 s in 7 of 8 runs; two refusing kinds alone, or `stream` beside
-`cancel`, ran 240-300 s clean. The cause, found from core dumps in the seventeenth session: Triton
-2.51's Python backend builds a BLS response's numpy arrays without the GIL (fixed upstream by
-python_backend PR #394).
+a refusing kind beside `stream` or `cancel` killed the Python stub of `easel_stream` ("not
+healthy") after 15-230 s in 11 of 12 runs; refusing kinds alone, streams beside cancels, and the
+unary kinds ran 240-300 s clean. The cause, found from core dumps: Triton 2.51's Python backend
+builds a BLS response's numpy arrays without the GIL (fixed upstream by python_backend PR #394).
 
     python3 -m bench.stream_stress --work /tmp/easel-stress --out stress.json --mix refused,cancel --seconds 240
 """
