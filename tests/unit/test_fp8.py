@@ -70,6 +70,21 @@ def test_requantize_follows_an_in_place_weight_write():
 
 
 @torch.no_grad()
+def test_the_bias_can_be_added_in_the_products_epilogue():
+    """The same product with its bias in the e4m3 product's epilogue: only the rounding of the
+    sum moves (on the CPU, in fp32: by a few ulps at most)."""
+    lin = linear()
+    x = torch.randn(8, 64)
+    fp8 = Fp8Linear(lin.weight, lin.bias)
+    with calibrating([fp8]):
+        fp8(x)
+    after = fp8(x)
+    fp8.bias_in_product = True
+    torch.testing.assert_close(fp8(x), after, rtol=1e-6, atol=1e-6)
+    assert rel_rms(fp8(x), lin(x)) <= 0.08
+
+
+@torch.no_grad()
 def test_a_small_input_range_in_fp16_stays_finite():
     """The input's multiplier (448 / range) is applied in fp32: in fp16 it overflows below 0.0017."""
     lin = linear().half()

@@ -60,6 +60,9 @@ class Fp8Linear(nn.Module):
         # cuBLAS's fast accumulation (RuntimeConfig.fp8_fast_accum); set before the runtime
         # compiles or captures the layer.
         self.fast_accum = False
+        # The bias added by the product's epilogue (in its fp32 accumulator) instead of by the
+        # kernel that reads the product (bench/fp8_probe.py's `-bias` variants measure which pays).
+        self.bias_in_product = False
         self.requantize()
 
     @torch.no_grad()
@@ -85,9 +88,10 @@ class Fp8Linear(nn.Module):
             self.x_amax.copy_(torch.maximum(self.x_amax, x.detach().abs().amax().float()))
             return F.linear(x, self.weight, self.bias)
         x8 = self.quantize(x.reshape(-1, x.shape[-1]))
-        y = torch._scaled_mm(x8, self.w8.t(), scale_a=self.x_scale, scale_b=self.w_scale, out_dtype=x.dtype,
-                             use_fast_accum=self.fast_accum)
-        if self.bias is not None:
+        fused = self.bias if self.bias_in_product else None
+        y = torch._scaled_mm(x8, self.w8.t(), bias=fused, scale_a=self.x_scale, scale_b=self.w_scale,
+                             out_dtype=x.dtype, use_fast_accum=self.fast_accum)
+        if self.bias is not None and fused is None:
             y = y + self.bias
         return y.reshape(*x.shape[:-1], self.weight.shape[0])
 
