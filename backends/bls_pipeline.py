@@ -43,6 +43,7 @@ from backends.core.request.params import Cancelled, InvalidInput, Overloaded
 from backends.core.stages.preview import preview_png
 from backends.denoiser_routing import LeastLoaded
 from backends.load_board import LoadReader
+from backends.preview_board import PreviewFile, remove_orphan_previews
 from backends.triton_adapter import (MARKS_PARAMETER, ForwardedError, failure, input_array, limits, parameters,
                                      remaining_us, scalar)
 
@@ -89,6 +90,8 @@ class BlsPipeline:
         if not names:
             raise ValueError("parameter denoisers names no model")
         self.router = LeastLoaded(names, LoadReader())  # each denoiser batches what it gets
+        if self.progress:
+            remove_orphan_previews()
         self.max_in_flight = int(params.get("max_in_flight", "16"))
         self.jobs: set[Job] = set()
         self.lock = threading.Lock()  # jobs: execute, workers, watcher
@@ -166,9 +169,16 @@ class BlsPipeline:
         denoiser = self.router.pick(work)
         admitted = False
         inputs = [params, prompt_embeds, pooled_embeds, control_images, _tensor("cancel_key", key.encode(), np.object_)]
+        previews = None
         if job.preview_every is not None:  # asks for a response per step
             inputs.append(_tensor("preview_every", job.preview_every, np.int32))
+            if job.preview_every:
+                try:
+                    previews = PreviewFile(key)
+                except OSError:  # a preview is never worth a request
+                    log.warning("no previews for this request: its file cannot be made", exc_info=True)
         final = None
+        step = 0
         try:
             request = pb_utils.InferenceRequest(
                 model_name=denoiser, inputs=inputs, requested_output_names=[t.name for t in contract.DENOISER.outputs],
@@ -179,7 +189,7 @@ class BlsPipeline:
             self.router.admitted(denoiser, work)
             admitted = True
             job.denoising = (denoiser, key)
-            for response in responses:
+            for i, response in enumerate(responses):
                 if response.has_error():
                     raise ForwardedError(response.error())
                 outputs = {t.name(): t for t in response.output_tensors()}
@@ -187,22 +197,26 @@ class BlsPipeline:
                     raise ForwardedError(pb_utils.TritonError(scalar(outputs["error"].as_numpy()).decode()))
                 if "latents" in outputs:
                     final = outputs
-                elif "step" in outputs:
-                    self._progress(job, checked.steps, outputs)
+                elif i > 0 and job.preview_every is not None:  # (the first: the admission)
+                    step += 1
+                    self._progress(job, step, checked.steps, previews)
         finally:
             job.denoising = None
             self.router.release(denoiser, work, admitted)
+            if previews is not None:
+                previews.close()
         if final is None:
             raise RuntimeError("the denoiser finished without a result")
         return final["latents"], final["params"]
 
-    def _progress(self, job: Job, steps: int, outputs: dict) -> None:
-        step = int(outputs["step"].as_numpy().reshape(-1)[0])
+    def _progress(self, job: Job, step: int, steps: int, previews: PreviewFile | None) -> None:
         tensors = [_tensor("step", step, np.int32), _tensor("steps", steps, np.int32),
                    _tensor("elapsed_s", time.monotonic() - job.start, np.float32)]
-        latents = outputs.get("preview_latents")
-        if latents is not None:
-            tensors.append(_tensor("preview", preview_png(latents.as_numpy()), np.object_))
+        # The denoiser wrote a due step's preview before that step's response; one overwritten
+        # since (this thread fell behind) or being written is skipped, never sent mislabelled.
+        preview = previews.read() if previews is not None and step % job.preview_every == 0 else None
+        if preview is not None and preview[0] == step:
+            tensors.append(_tensor("preview", preview_png(preview[1]), np.object_))
         try:
             job.sender.send(pb_utils.InferenceResponse(tensors))
         except Exception:  # the client is gone: keep reading the denoiser's answers to their end

@@ -31,6 +31,7 @@ from backends.bls_controlnets import BlsControlNets  # noqa: E402
 from backends.denoiser_metrics import ControlNetCallMetrics, LoraMetrics, RequestMetrics, RuntimeMetrics  # noqa: E402
 from backends.denoiser_metrics import StepMetrics  # noqa: E402
 from backends.load_board import LoadWriter  # noqa: E402
+from backends.preview_board import MAX_KEY_LENGTH, valid_key, write_preview  # noqa: E402
 from backends.core.adapters.controlnet import ControlInput  # noqa: E402
 from backends.core.engine.builder import build_denoiser  # noqa: E402
 from backends.core.engine.config import DenoiserConfig  # noqa: E402
@@ -148,12 +149,15 @@ class TritonPythonModel:
 
     def _keyed(self, request, job: DenoiseJob, sender) -> None:
         """A request with a `cancel_key` can be cancelled by a later request naming the key; one
-        with `preview_every` gets a response per step (the sender thread sends them, in order with
-        its result). The unary `easel` asks only for the first: per-step responses would cost it
-        a BLS response each for nothing."""
+        with `preview_every` gets an empty response per step (the sender thread sends them, in
+        order with its result), its previews in the key's file (backends/preview_board.py). The
+        unary `easel` asks only for the first: per-step responses would cost it a BLS response
+        each for nothing."""
         key = _scalar(request, "cancel_key")
-        if key is not None and (not key or key in self.cancels):
-            raise InvalidInput("cancel_key", "is empty or already in use")
+        if key is not None and not valid_key(key):
+            raise InvalidInput("cancel_key", f"must be 1 to {MAX_KEY_LENGTH} letters, digits, '_' or '-'")
+        if key is not None and key in self.cancels:
+            raise InvalidInput("cancel_key", "is already in use")
         every = _scalar(request, "preview_every")
         if every is not None:
             if not 0 <= every <= self.limits.max_steps:
@@ -174,12 +178,15 @@ class TritonPythonModel:
         sender.send(flags=FINAL)
 
     def _send_progress(self, progress: StepProgress) -> None:
-        tensors = [pb_utils.Tensor("step", np.array([progress.step], dtype=np.int32))]
-        if progress.latents is not None:  # (waits for the copy the loop queued, not for the loop)
-            tensors.append(pb_utils.Tensor("preview_latents",
-                                           np.ascontiguousarray(progress.latents.numpy(), dtype=np.float32)))
+        """A step: an empty response (no tensor: contract.DENOISER says why), its preview first."""
+        key = self.keys.get(progress.request_id)
+        if progress.latents is not None and key is not None:
+            try:  # (waits for the copy the loop queued, not for the loop)
+                write_preview(key, progress.step, progress.latents.numpy())
+            except OSError:  # a preview is never worth a request
+                log.warning("preview of request %s not written", progress.request_id, exc_info=True)
         try:
-            self.pending[progress.request_id][0].send(pb_utils.InferenceResponse(tensors))
+            self.pending[progress.request_id][0].send(pb_utils.InferenceResponse([]))
         except Exception:  # the caller went away: its result (or error) still ends the request
             log.warning("progress of request %s not sent", progress.request_id, exc_info=True)
 

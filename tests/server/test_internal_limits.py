@@ -5,6 +5,7 @@ would refuse is refused the same way (INVALID_ARGUMENT, naming the field and the
 from __future__ import annotations
 
 import json
+import os
 import queue
 
 import numpy as np
@@ -134,3 +135,44 @@ def test_controlnet_service_checks_its_session_inputs(server, session, constants
     with pytest.raises(InferenceServerException) as err:
         grpcclient.InferenceServerClient(server.url_grpc).infer("controlnet", inputs)
     assert err.value.status() == f"StatusCode.{status}" and expected in err.value.message(), err.value.message()
+
+
+def _stream_denoiser(url: str, extra: list) -> list:
+    """Every answer of one direct denoiser request: (result, error) pairs up to the final one."""
+    client = grpcclient.InferenceServerClient(url)
+    answers: queue.Queue = queue.Queue()
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    got = []
+    try:
+        client.async_stream_infer("denoiser", _inputs("denoiser", GOOD) + extra, enable_empty_final_response=True)
+        while True:
+            result, error = answers.get(timeout=60)
+            got.append((result, error))
+            if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+                return got
+    finally:
+        client.stop_stream()
+
+
+def test_a_cancel_key_never_names_a_file(server):
+    """Previews go through a file named by the request's cancel_key (backends/preview_board.py):
+    a key that could name a path is refused, naming the field and what a key may hold."""
+    extra = [_tensor("cancel_key", np.array([b"../../etc/x"], dtype=np.object_), "BYTES"),
+             _tensor("preview_every", np.array([1], np.int32), "INT32")]
+    (_, error), = _stream_denoiser(server.url_grpc, extra)
+    assert "cancel_key: must be 1 to 64 letters, digits, '_' or '-'" in error.message(), error.message()
+    assert_invalid("denoiser", error)
+
+
+def test_direct_previews_leave_no_file_and_steps_carry_no_tensor(server):
+    """A request sent to the denoiser directly with previews and a key: an empty response on
+    admission and at each step (no tensor: contract.DENOISER), then the latents; no file made."""
+    key = "direct-preview-test"
+    extra = [_tensor("cancel_key", np.array([key.encode()], dtype=np.object_), "BYTES"),
+             _tensor("preview_every", np.array([1], np.int32), "INT32")]
+    answers = _stream_denoiser(server.url_grpc, extra)
+    assert all(error is None for _, error in answers), answers
+    outputs = [[o.name for o in result.get_response().outputs] for result, _ in answers]
+    assert outputs[:-1] == [[]] * (1 + GOOD["steps"]), outputs
+    assert sorted(outputs[-1]) == ["latents", "params"]
+    assert not any(key in name for name in os.listdir("/dev/shm"))

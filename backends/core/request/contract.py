@@ -83,15 +83,17 @@ TEXT_ENCODER = ModelDecl(inputs=(PARAMS,), outputs=(PARAMS, *EMBEDS))
 #   response's `error` (the marked message, triton_adapter.MARKS): Triton 2.51 never hands a BLS
 #   caller an error response that follows another response of the same request (measured: the
 #   caller's iterator waits forever);
-# - `preview_every`: one response per step (`step`, and `preview_latents` every `preview_every`
-#   steps; 0: never) before the final one (easel_stream). Without it, only the final one.
+# - `preview_every`: one empty response per step before the final one (easel_stream); every
+#   `preview_every` steps (0: never) the latents go first into the file of the request's
+#   `cancel_key`, if its caller made one (backends/preview_board.py). Without it, only the final
+#   one. No step response carries a tensor: Triton 2.51 loads a BLS response's tensors without
+#   the GIL, racing the caller's Python (preview_board says more), so the caller counts them.
 DENOISE_JOB = (PARAMS, *EMBEDS, CONTROL_IMAGES)
 PREVIEW_EVERY = _t("preview_every", "INT32", 1, optional=True)
 DENOISER = ModelDecl(
     inputs=(*(TensorDecl(t.name, t.dtype, t.dims, optional=True) for t in DENOISE_JOB),
             _t("cancel_key", "BYTES", 1, optional=True), PREVIEW_EVERY, _t("cancel", "BYTES", 1, optional=True)),
-    outputs=(PARAMS, LATENTS, _t("step", "INT32", 1), _t("preview_latents", "FP32", 1, -1, -1, -1),
-             _t("error", "BYTES", 1)),
+    outputs=(PARAMS, LATENTS, _t("error", "BYTES", 1)),
 )
 VAE_DECODER = ModelDecl(inputs=(PARAMS, LATENTS), outputs=(PARAMS, PIXELS))
 POSTPROCESS = ModelDecl(inputs=(PARAMS, PIXELS), outputs=PUBLIC.outputs)
