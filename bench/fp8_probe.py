@@ -13,7 +13,8 @@ image's PSNR against fp16's (the image says less: a random VAE saturates much of
 `fp16`; `fp8` (attention, feed-forward and the blocks' projections); `fp8-ff` (feed-forward
 only: its products are the largest); `fp8-fast` (`fp8` with cuBLAS's fast accumulation);
 `fp8-fast-out16` (`fp8-fast` with attention's output projections back in fp16);
-`fp8-fast-out16-bias` (that, with each bias added in its product's epilogue).
+`fp8-fast-bias` and `fp8-fast-out16-bias` (those two with each bias added in its product's
+epilogue).
 
 fp16 runs compiled by default (`--fp16-kind graphs` skips the compile). Before the
 engine's stream waited for its caller's (TorchDenoiser.on_stream), the probe's last noise
@@ -44,14 +45,14 @@ from bench.runtime_micro import gpu_ms
 log = logging.getLogger("bench.fp8_probe")
 PROMPTS = ("a lighthouse on a cliff in a storm, dramatic clouds", "a bowl of ramen on a wooden table, top view")
 VARIANTS = {"fp16": None, "fp8": FP8_PARTS, "fp8-ff": ("feed_forward",), "fp8-fast": FP8_PARTS,
-            "fp8-fast-out16": FP8_PARTS, "fp8-fast-out16-bias": FP8_PARTS}
-FAST_ACCUM = {"fp8-fast", "fp8-fast-out16", "fp8-fast-out16-bias"}
+            "fp8-fast-out16": FP8_PARTS, "fp8-fast-bias": FP8_PARTS, "fp8-fast-out16-bias": FP8_PARTS}
+FAST_ACCUM = {"fp8-fast", "fp8-fast-out16", "fp8-fast-bias", "fp8-fast-out16-bias"}
 # Attention's output projection back in fp16. Its input comes straight from the attention kernel,
 # so no fused kernel can cast it to e4m3: FP8 gives it a cast kernel of its own (140 a step).
 OUT16 = {"fp8-fast-out16", "fp8-fast-out16-bias"}
 # The bias added in the product's epilogue (Fp8Linear.bias_in_product) instead of by the kernel
 # that reads the product (inductor fuses that add into the LayerNorm or GEGLU after it).
-BIAS_IN_PRODUCT = {"fp8-fast-out16-bias"}
+BIAS_IN_PRODUCT = {"fp8-fast-bias", "fp8-fast-out16-bias"}
 
 
 def keep_attention_out_fp16(unet, layers: list) -> list:
