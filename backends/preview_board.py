@@ -32,8 +32,8 @@ from backends.core.shm_files import remove_orphans, unlink
 BOARD_DIR = "/dev/shm"
 PREFIX = "easel-preview-"
 # A key names a file: letters, digits, '_' and '-' only (the public models send uuid4 hex).
-KEY = re.compile(r"[A-Za-z0-9_-]{1,64}")
 MAX_KEY_LENGTH = 64
+KEY = re.compile(rf"[A-Za-z0-9_-]{{1,{MAX_KEY_LENGTH}}}")
 _COUNTER = struct.Struct("<Q")
 _HEADER = struct.Struct("<5I")  # step, then the latents' 4 dimensions
 _DATA_AT = _COUNTER.size + _HEADER.size
@@ -67,8 +67,8 @@ class PreviewFile:
             return None
         try:
             before = os.pread(fd, _COUNTER.size, 0)
-            if len(before) != _COUNTER.size or _COUNTER.unpack(before)[0] % 2 or before == b"\0" * _COUNTER.size:
-                return None
+            if len(before) != _COUNTER.size or _COUNTER.unpack(before)[0] % 2 or not any(before):
+                return None  # nothing written yet, or a write under way
             header = os.pread(fd, _HEADER.size, _COUNTER.size)
             if len(header) != _HEADER.size:
                 return None
