@@ -178,7 +178,6 @@ class BlsPipeline:
                 except OSError:  # a preview is never worth a request
                     log.warning("no previews for this request: its file cannot be made", exc_info=True)
         final = None
-        step = 0
         try:
             request = pb_utils.InferenceRequest(
                 model_name=denoiser, inputs=inputs, requested_output_names=[t.name for t in contract.DENOISER.outputs],
@@ -197,9 +196,8 @@ class BlsPipeline:
                     raise ForwardedError(pb_utils.TritonError(scalar(outputs["error"].as_numpy()).decode()))
                 if "latents" in outputs:
                     final = outputs
-                elif i > 0 and job.preview_every is not None:  # (the first: the admission)
-                    step += 1
-                    self._progress(job, step, checked.steps, previews)
+                elif i > 0 and job.preview_every is not None:  # the first: the admission; then step i
+                    self._progress(job, i, checked.steps, previews)
         finally:
             job.denoising = None
             self.router.release(denoiser, work, admitted)

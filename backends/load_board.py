@@ -20,15 +20,15 @@ import os
 import struct
 import threading
 
-from backends.core.shm_files import remove_orphans, unlink
+from backends.core.shm_files import SHM_DIR, remove_orphans, server_file, unlink
 
-BOARD_DIR = "/dev/shm"
+BOARD_DIR = SHM_DIR
 PREFIX = "easel-load-"
 _VALUE = struct.Struct("<dd")
 
 
 def board_path(denoiser: str, folder: str = BOARD_DIR, server_pid: int | None = None) -> str:
-    return os.path.join(folder, f"{PREFIX}{server_pid if server_pid is not None else os.getppid()}-{denoiser}")
+    return server_file(PREFIX, denoiser, folder, server_pid)
 
 
 class LoadWriter:

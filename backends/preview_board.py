@@ -27,9 +27,8 @@ import struct
 
 import numpy as np
 
-from backends.core.shm_files import remove_orphans, unlink
+from backends.core.shm_files import SHM_DIR, remove_orphans, server_file, unlink
 
-BOARD_DIR = "/dev/shm"
 PREFIX = "easel-preview-"
 # A key names a file: letters, digits, '_' and '-' only (the public models send uuid4 hex).
 MAX_KEY_LENGTH = 64
@@ -45,49 +44,46 @@ def valid_key(key: str) -> bool:
     return KEY.fullmatch(key) is not None
 
 
-def preview_path(key: str, folder: str = BOARD_DIR, server_pid: int | None = None) -> str:
+def preview_path(key: str, folder: str = SHM_DIR, server_pid: int | None = None) -> str:
     if not valid_key(key):
         raise ValueError(f"a preview key is 1 to {MAX_KEY_LENGTH} letters, digits, '_' or '-', not {key!r}")
-    return os.path.join(folder, f"{PREFIX}{server_pid if server_pid is not None else os.getppid()}-{key}")
+    return server_file(PREFIX, key, folder, server_pid)
 
 
 class PreviewFile:
     """The caller's side, for one request: creates the file, reads the latest preview, removes it."""
 
-    def __init__(self, key: str, folder: str = BOARD_DIR, server_pid: int | None = None):
+    def __init__(self, key: str, folder: str = SHM_DIR, server_pid: int | None = None):
         self.path = preview_path(key, folder, server_pid)
-        fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
-        os.close(fd)
+        self._fd = os.open(self.path, os.O_RDONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
 
     def read(self) -> tuple[int, np.ndarray] | None:
         """(step, latents) of the last preview written, or None: none yet, or one being written."""
-        try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW)
-        except OSError:
+        if self._fd < 0:
             return None
-        try:
-            before = os.pread(fd, _COUNTER.size, 0)
-            if len(before) != _COUNTER.size or _COUNTER.unpack(before)[0] % 2 or not any(before):
-                return None  # nothing written yet, or a write under way
-            header = os.pread(fd, _HEADER.size, _COUNTER.size)
-            if len(header) != _HEADER.size:
-                return None
-            step, *shape = _HEADER.unpack(header)
-            count = math.prod(shape)
-            if not 0 < count <= MAX_VALUES:
-                return None
-            data = os.pread(fd, count * 4, _DATA_AT)
-            if len(data) != count * 4 or os.pread(fd, _COUNTER.size, 0) != before:
-                return None
-            return step, np.frombuffer(data, dtype="<f4").reshape(shape).copy()
-        finally:
-            os.close(fd)
+        before = os.pread(self._fd, _COUNTER.size, 0)
+        if len(before) != _COUNTER.size or _COUNTER.unpack(before)[0] % 2 or not any(before):
+            return None  # nothing written yet, or a write under way
+        header = os.pread(self._fd, _HEADER.size, _COUNTER.size)
+        if len(header) != _HEADER.size:
+            return None
+        step, *shape = _HEADER.unpack(header)
+        count = math.prod(shape)
+        if not 0 < count <= MAX_VALUES:
+            return None
+        data = os.pread(self._fd, count * 4, _DATA_AT)
+        if len(data) != count * 4 or os.pread(self._fd, _COUNTER.size, 0) != before:
+            return None
+        return step, np.frombuffer(data, dtype="<f4").reshape(shape).copy()
 
     def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
         unlink(self.path)
 
 
-def write_preview(key: str, step: int, latents: np.ndarray, folder: str = BOARD_DIR,
+def write_preview(key: str, step: int, latents: np.ndarray, folder: str = SHM_DIR,
                   server_pid: int | None = None) -> bool:
     """The denoiser's side: the request's latents at `step` into its caller's file. False where
     the caller made none (a request sent to the denoiser directly)."""
@@ -110,5 +106,5 @@ def write_preview(key: str, step: int, latents: np.ndarray, folder: str = BOARD_
     return True
 
 
-def remove_orphan_previews(folder: str = BOARD_DIR) -> None:
+def remove_orphan_previews(folder: str = SHM_DIR) -> None:
     remove_orphans(folder, PREFIX)

@@ -50,20 +50,31 @@ def _inputs(model: str, params: dict) -> list:
     }[model]
 
 
-def call(url: str, model: str, params: dict) -> InferenceServerException:
-    """The error a direct call of `model` gets (the denoiser is decoupled: by a gRPC stream)."""
+def stream_denoiser(url: str, inputs: list) -> list:
+    """Every answer of one direct denoiser request (decoupled: by a gRPC stream), as (result,
+    error) pairs up to the final one or the first error."""
     client = grpcclient.InferenceServerClient(url)
-    if model != "denoiser":
-        with pytest.raises(InferenceServerException) as err:
-            client.infer(model, _inputs(model, params))
-        return err.value
     answers: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: answers.put(error))
+    client.start_stream(callback=lambda result, error: answers.put((result, error)))
+    got = []
     try:
-        client.async_stream_infer(model, _inputs(model, params))
-        error = answers.get(timeout=60)
+        client.async_stream_infer("denoiser", inputs, enable_empty_final_response=True)
+        while True:
+            result, error = answers.get(timeout=60)
+            got.append((result, error))
+            if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
+                return got
     finally:
         client.stop_stream()
+
+
+def call(url: str, model: str, params: dict) -> InferenceServerException:
+    """The error a direct call of `model` gets."""
+    if model != "denoiser":
+        with pytest.raises(InferenceServerException) as err:
+            grpcclient.InferenceServerClient(url).infer(model, _inputs(model, params))
+        return err.value
+    error = stream_denoiser(url, _inputs(model, params))[-1][1]
     assert error is not None, "the denoiser accepted out-of-limit params"
     return error
 
@@ -85,16 +96,9 @@ def assert_invalid(model, err):
 
 def test_denoiser_refuses_embeddings_of_another_shape(server):
     """They would fail the whole batch's step, other requests' too, so they never join one."""
-    client = grpcclient.InferenceServerClient(server.url_grpc)
     inputs = _inputs("denoiser", GOOD)
     inputs[1] = _tensor("prompt_embeds", np.zeros((2, 77, 65), np.float32), "FP32")
-    answers: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: answers.put(error))
-    try:
-        client.async_stream_infer("denoiser", inputs)
-        error = answers.get(timeout=60)
-    finally:
-        client.stop_stream()
+    error = stream_denoiser(server.url_grpc, inputs)[-1][1]
     assert error is not None and "prompt_embeds: has shape (2, 77, 65), expected (2, 77, 64)" in error.message()
     assert_invalid("denoiser", error)
 
@@ -137,29 +141,12 @@ def test_controlnet_service_checks_its_session_inputs(server, session, constants
     assert err.value.status() == f"StatusCode.{status}" and expected in err.value.message(), err.value.message()
 
 
-def _stream_denoiser(url: str, extra: list) -> list:
-    """Every answer of one direct denoiser request: (result, error) pairs up to the final one."""
-    client = grpcclient.InferenceServerClient(url)
-    answers: queue.Queue = queue.Queue()
-    client.start_stream(callback=lambda result, error: answers.put((result, error)))
-    got = []
-    try:
-        client.async_stream_infer("denoiser", _inputs("denoiser", GOOD) + extra, enable_empty_final_response=True)
-        while True:
-            result, error = answers.get(timeout=60)
-            got.append((result, error))
-            if error is not None or result.get_response().parameters["triton_final_response"].bool_param:
-                return got
-    finally:
-        client.stop_stream()
-
-
 def test_a_cancel_key_never_names_a_file(server):
     """Previews go through a file named by the request's cancel_key (backends/preview_board.py):
     a key that could name a path is refused, naming the field and what a key may hold."""
     extra = [_tensor("cancel_key", np.array([b"../../etc/x"], dtype=np.object_), "BYTES"),
              _tensor("preview_every", np.array([1], np.int32), "INT32")]
-    (_, error), = _stream_denoiser(server.url_grpc, extra)
+    (_, error), = stream_denoiser(server.url_grpc, _inputs("denoiser", GOOD) + extra)
     assert "cancel_key: must be 1 to 64 letters, digits, '_' or '-'" in error.message(), error.message()
     assert_invalid("denoiser", error)
 
@@ -170,7 +157,7 @@ def test_direct_previews_leave_no_file_and_steps_carry_no_tensor(server):
     key = "direct-preview-test"
     extra = [_tensor("cancel_key", np.array([key.encode()], dtype=np.object_), "BYTES"),
              _tensor("preview_every", np.array([1], np.int32), "INT32")]
-    answers = _stream_denoiser(server.url_grpc, extra)
+    answers = stream_denoiser(server.url_grpc, _inputs("denoiser", GOOD) + extra)
     assert all(error is None for _, error in answers), answers
     outputs = [[o.name for o in result.get_response().outputs] for result, _ in answers]
     assert outputs[:-1] == [[]] * (1 + GOOD["steps"]), outputs

@@ -121,7 +121,7 @@ def test_the_tiny_unet_in_fp8_stays_near_fp32(folder, tiny_model, tmp_path):
     linears = [m for m in unet.modules() if type(m) is nn.Linear]
     assert len(layers) >= 3 * len(packed)  # QKV, two feed-forward products per block at least
     assert not any(isinstance(m, Fp8Linear) for m in linears)
-    # attention's output projections stay fp16 (use_fp8 says why), on their own weights
+    # attention's output projections stay in the model's dtype (use_fp8 says why)
     outs = [m.to_out[0] for m in unet.modules() if hasattr(m, "to_out") and hasattr(m, "to_q")]
     assert outs and all(type(m) is nn.Linear and m.weight.dtype == torch.float32 for m in outs)
 

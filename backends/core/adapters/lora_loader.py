@@ -45,11 +45,10 @@ from backends.core.adapters.lora import LoraLayer, LoraPlan, LoraWeights, load_l
 from backends.core.adapters.store import StoreFile
 from backends.core.request.params import InvalidInput, UnknownAdapter, no_paths, shorten
 from backends.core.adapters.shm_tensors import Staging, read_tensors, write_tensors
-from backends.core.shm_files import remove_orphans, unlink
+from backends.core.shm_files import SHM_DIR, remove_orphans, unlink
 
 log = logging.getLogger(__name__)
 
-SHM_DIR = "/dev/shm"
 # Loading is background work beside the step loop, which is CPU-bound (it launches every kernel
 # from Python): the loader processes and the feeder threads run at this niceness, so the scheduler
 # favours the loop. (On the H200 host two loads slowed the loop's steps by 4-13 ms each while they
