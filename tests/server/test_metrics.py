@@ -21,8 +21,10 @@ from export.repository import ExportOptions
 PREFIXES = ("easel_denoiser_", "easel_requests_total", "easel_denoise_steps_total")
 PARTS = ("encoder", "decoder", "sampler", "orchestration")
 HISTOGRAMS = ("easel_denoiser_step_rows", "easel_denoiser_step_seconds", "easel_denoiser_time_to_first_step_seconds")
-# What preprocess would have made of a request (tests/server/conftest.py: max 256 px, 50 steps).
-PARAMS = dict(prompt="a cat", negative_prompt=None, width=64, height=64, steps=12, guidance_scale=5.0, seed=1,
+# What preprocess would have made of a request (tests/server/conftest.py: max 256 px, 200 steps).
+# 48 steps: the flood holds the running set full for dozens of steps, several of the gauges' periods
+# even on a slow machine (with 12 a CI run sampled 8 running at most: full for under one period).
+PARAMS = dict(prompt="a cat", negative_prompt=None, width=64, height=64, steps=48, guidance_scale=5.0, seed=1,
               scheduler="default", controls=[], loras=[], output_format="png", quality=None, trace={})
 EASEL_STEPS, EASEL_REQUESTS = 6, 4
 FLOOD = ExportOptions.max_running + 4  # straight into the denoiser: 4 must wait to join the batch
