@@ -117,14 +117,12 @@ def diagnose(layers, unet, run, exact) -> dict:
     exact product of the very input it got, so the error it adds, not the one it inherits), and
     the whole noise again with every product emulated (e4m3 values multiplied in fp32), which
     tells the quantization from the e4m3 kernel (torch._scaled_mm)."""
-    import torch.nn.functional as F
-
     names = {id(m): n for n, m in unet.named_modules()}
     own = []
 
     def note(m, args, y):
         x = args[0]
-        want = F.linear(x.float(), m.weight.float(), None if m.bias is None else m.bias.float())
+        want = m.exact(x.float())
         own.append((names.get(id(m), f"layers[{layers.index(m)}]"), rel_rms(y, want),
                     float(x.abs().max()) / float(m.x_amax)))
 
@@ -134,18 +132,17 @@ def diagnose(layers, unet, run, exact) -> dict:
         hook.remove()
     worst = sorted(own, key=lambda e: -e[1])[:8]
 
-    def emulated(m, x):
-        x8 = m.quantize(x.reshape(-1, x.shape[-1]))
+    def emulated(m, x8, out_dtype):
         y = (x8.float() * m.x_scale) @ (m.w8.float() * m.w_scale).t()
         if m.bias is not None:
             y = y + m.bias.float()
-        return y.to(x.dtype).reshape(*x.shape[:-1], m.weight.shape[0])
+        return y.to(out_dtype)
 
     for layer in layers:
-        layer.forward = lambda x, m=layer: emulated(m, x)
+        layer.product = lambda x8, out_dtype, m=layer: emulated(m, x8, out_dtype)
     emulated_error = rel_rms(run(), exact)
     for layer in layers:
-        del layer.forward
+        del layer.product
     errors = sorted(e for _, e, _ in own)
     result = {"noise_rms_rel_error": error, "noise_rms_rel_error_emulated": emulated_error,
               "own_error_median": errors[len(errors) // 2], "own_error_max": errors[-1],

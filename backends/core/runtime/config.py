@@ -14,7 +14,7 @@ from typing import Any, Mapping
 
 RUNTIME_KINDS = ("eager", "graphs", "compiled")
 # What of the transformer blocks runs as FP8 products (runtime/fp8.py); "all" names the three.
-FP8_PARTS = ("attention", "feed_forward", "projections")
+FP8_PARTS = ("attention", "feed_forward", "projections", "convolutions")
 
 
 def check_fp8_parts(parts, field: str) -> tuple[str, ...]:
