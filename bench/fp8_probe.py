@@ -42,7 +42,7 @@ import time
 
 import torch
 
-from backends.core.runtime.config import FP8_PARTS
+from backends.core.runtime.config import FP8_EXPERIMENTAL, FP8_PARTS
 from bench.common import (bench_parser, random_sdxl, random_sdxl_denoiser, random_sdxl_fp8_calibration, rel_rms,
                           start_logging, write_json)
 from bench.fp8_fidelity import diagnose
@@ -50,9 +50,8 @@ from bench.runtime_micro import gpu_ms
 
 log = logging.getLogger("bench.fp8_probe")
 PROMPTS = ("a lighthouse on a cliff in a storm, dramatic clouds", "a bowl of ramen on a wooden table, top view")
-TRANSFORMER_PARTS = tuple(p for p in FP8_PARTS if p != "convolutions")
-VARIANTS = {"fp16": None, "fp8": TRANSFORMER_PARTS, "fp8-ff": ("feed_forward",), "fp8-fast": TRANSFORMER_PARTS,
-            "fp8-conv-fast": FP8_PARTS}
+VARIANTS = {"fp16": None, "fp8": FP8_PARTS, "fp8-ff": ("feed_forward",), "fp8-fast": FP8_PARTS,
+            "fp8-conv-fast": FP8_PARTS + FP8_EXPERIMENTAL}
 FAST_ACCUM = {"fp8-fast", "fp8-conv-fast"}
 
 

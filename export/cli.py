@@ -20,14 +20,14 @@ def _positive_ints(flag: str):
 
 
 def _fp8_parts(text: str) -> tuple[str, ...]:
-    from backends.core.runtime.config import FP8_PARTS
+    from backends.core.runtime.config import FP8_EXPERIMENTAL, FP8_PARTS
 
-    parts = tuple(v.strip() for v in text.split(",") if v.strip())
-    if parts == ("all",):
-        return FP8_PARTS
-    unknown = sorted(set(parts) - set(FP8_PARTS))
+    named = [v.strip() for v in text.split(",") if v.strip()]
+    parts = tuple(dict.fromkeys(p for v in named for p in (FP8_PARTS if v == "all" else (v,))))
+    unknown = sorted(set(parts) - set(FP8_PARTS + FP8_EXPERIMENTAL))
     if not parts or unknown:
-        raise argparse.ArgumentTypeError(f"--fp8: {text!r} must list parts of {','.join(FP8_PARTS)}, or be all")
+        raise argparse.ArgumentTypeError(f"--fp8: {text!r} must list parts of {','.join(FP8_PARTS + FP8_EXPERIMENTAL)} "
+                                         f"or all (= {','.join(FP8_PARTS)})")
     return parts
 
 
@@ -123,7 +123,8 @@ def parser() -> argparse.ArgumentParser:
                           "approximate and faster")
     exp.add_argument("--fp8", type=_fp8_parts, default=(),
                      help="experimental: the transformer blocks' products in FP8 with calibrated scales (approximate, faster; README): "
-                          "comma-separated parts of attention,feed_forward,projections, or all (default: none)")
+                          "comma-separated parts of attention,feed_forward,projections, or all (those three), "
+                          "and the experimental convolutions, not yet measured on a GPU (default: none)")
     exp.add_argument("--fp8-fast-accum", action="store_true",
                      help="with --fp8: cuBLAS's fast accumulation of the FP8 products (faster; README)")
     prof = sub.add_parser("profile-lora", help="measure each LoRA's bound K (steps it may join late) for a repository")

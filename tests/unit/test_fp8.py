@@ -19,7 +19,7 @@ from diffusers.models.resnet import ResnetBlock2D
 from safetensors.torch import load_file
 
 from backends.core.runtime.artifacts import load_unet_halves
-from backends.core.runtime.config import FP8_PARTS, RuntimeConfig
+from backends.core.runtime.config import FP8_EXPERIMENTAL, FP8_PARTS, RuntimeConfig
 from backends.core.runtime.fp8 import (CALIBRATION_FILE, CALIBRATION_PROMPTS, HEADROOM, Fp8Conv2d, Fp8Linear,
                                        calibrate_from_file, calibrating, use_fp8, write_calibration)
 from backends.core.runtime.packed_attention import PackedSelfAttnProcessor, pack_attention
@@ -139,12 +139,10 @@ def test_export_writes_calibration_text_from_the_models_encoders(tiny_model, tmp
     assert data["time_ids"].tolist() == [[64.0, 64.0, 0.0, 0.0, 64.0, 64.0]]
 
 
-TRANSFORMER_PARTS = tuple(p for p in FP8_PARTS if p != "convolutions")
-
-
 # Measured (2-core x86-64): 4.4% with the transformer blocks' products, 10.7% with the
 # convolutions too (the tiny UNet is mostly ResNet blocks).
-@pytest.mark.parametrize("parts,bound", [(TRANSFORMER_PARTS, 0.10), (FP8_PARTS, 0.15)], ids=["transformer", "all"])
+@pytest.mark.parametrize("parts,bound", [(FP8_PARTS, 0.10), (FP8_PARTS + FP8_EXPERIMENTAL, 0.15)],
+                         ids=["all", "with-convolutions"])
 @torch.no_grad()
 def test_the_tiny_unet_in_fp8_stays_near_fp32(folder, tiny_model, tmp_path, parts, bound):
     _, enc0, dec0 = load_unet_halves(folder, Placement())
@@ -199,6 +197,11 @@ def test_fp8_is_configured_only_for_a_fast_runtime():
     args = parser().parse_args(["export", "--model", "m", "--out", "o", "--fp8", "all"])
     assert args.fp8 == FP8_PARTS
     assert parser().parse_args(["export", "--model", "m", "--out", "o", "--fp8", "feed_forward"]).fp8 == ("feed_forward",)
+    # The experimental convolutions only when named, beside "all" or other parts.
+    assert "convolutions" not in FP8_PARTS
+    assert parser().parse_args(["export", "--model", "m", "--out", "o", "--fp8", "all,convolutions"]).fp8 == \
+        FP8_PARTS + ("convolutions",)
+    assert RuntimeConfig(kind="compiled", fp8=("convolutions",)).fp8 == ("convolutions",)
     with pytest.raises(SystemExit):
         parser().parse_args(["export", "--model", "m", "--out", "o", "--fp8", "ff"])
 
