@@ -7,6 +7,10 @@ sync flush, which byte-aligns it; the strips concatenated are one valid deflate 
 zlib trailer's Adler-32 is combined from the strips' own. Each strip starts with an empty
 dictionary, which costs a few bytes per strip, not a measurable ratio.
 
+Deflate is ISA-L's (`isal`), not zlib's: at level 1 it took a 1024x1024 image's 3 MiB of
+filtered rows in 9.0 ms against zlib's 36.7 ms on one core of the 2-core dev CPU, and wrote
+1697 KiB against 1872 (a photo-like test image; both release the GIL). Its levels are 0-3.
+
 Every row uses PNG's `Up` filter (the byte above subtracted): one vectorized subtraction, and on
 the images we measured it compressed as well as PIL's per-row choice at level 1. The strip size is
 fixed, not the thread count, so the bytes do not depend on the machine.
@@ -17,16 +21,17 @@ from __future__ import annotations
 import os
 import struct
 import threading
-import zlib
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
+from isal import isal_zlib
 
 # Raw bytes a strip holds, about; one task per strip. On the H200 host (16 cores; a 1024x1024
 # random-weight image, 3 MiB raw, bench/vae_micro.py): 256 KiB strips on 8 threads 26.5-32 ms,
 # 64 KiB strips on 16 threads 18.3 ms, and 4 KiB fewer bytes out of 2.6 MiB.
 STRIP_BYTES = 64 * 1024
 MAX_THREADS = 16
+LEVELS = range(isal_zlib.ISAL_BEST_SPEED, isal_zlib.ISAL_BEST_COMPRESSION + 1)
 _UP = 2  # PNG filter type
 _ADLER_BASE = 65521
 _SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -67,13 +72,13 @@ def _filtered_rows(pixels: np.ndarray, start: int, stop: int) -> bytes:
 
 def _deflate_strip(pixels: np.ndarray, start: int, stop: int, level: int, last: bool) -> tuple[bytes, int, int]:
     raw = _filtered_rows(pixels, start, stop)
-    deflater = zlib.compressobj(level, zlib.DEFLATED, -15)  # raw deflate: no header, no trailer
-    data = deflater.compress(raw) + deflater.flush(zlib.Z_FINISH if last else zlib.Z_SYNC_FLUSH)
-    return data, zlib.adler32(raw), len(raw)
+    deflater = isal_zlib.compressobj(level, isal_zlib.DEFLATED, -15)  # raw deflate: no header, no trailer
+    data = deflater.compress(raw) + deflater.flush(isal_zlib.Z_FINISH if last else isal_zlib.Z_SYNC_FLUSH)
+    return data, isal_zlib.adler32(raw), len(raw)
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", zlib.crc32(data, zlib.crc32(kind)))
+    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", isal_zlib.crc32(data, isal_zlib.crc32(kind)))
 
 
 def encode_png(pixels: np.ndarray, level: int, strip_bytes: int = STRIP_BYTES,
@@ -82,6 +87,8 @@ def encode_png(pixels: np.ndarray, level: int, strip_bytes: int = STRIP_BYTES,
     `strip_bytes` and `executor` (default: the module's pool) are for measuring other settings."""
     if pixels.dtype != np.uint8 or pixels.ndim != 3 or pixels.shape[2] != 3:
         raise ValueError(f"pixels: expected [H, W, 3] uint8, got {list(pixels.shape)} {pixels.dtype}")
+    if level not in LEVELS:
+        raise ValueError(f"level: {level} is not one of ISA-L's deflate levels {list(LEVELS)}")
     pixels = np.ascontiguousarray(pixels)
     height, width = pixels.shape[:2]
     rows_per_strip = max(1, strip_bytes // (width * 3 + 1))
