@@ -13,7 +13,7 @@ requests while they are taken. The denoiser is decoupled: its statistics cover `
 enqueue) only, hence its own account.
 
     python3 -m bench.pipeline_trace --work /tmp/easel-trace --out $OUT/pipeline_trace.json [--runtime graphs]
-    python3 -m bench.pipeline_trace --work /tmp/easel-trace --out /tmp/t.json --cpu   # the tiny model
+    python3 -m bench.pipeline_trace --work /tmp/easel-trace --out /tmp/t.json --cpu --steps 4  # the tiny model
 """
 
 from __future__ import annotations
@@ -73,8 +73,8 @@ def main() -> None:
 
     args.work.mkdir(parents=True, exist_ok=True)
     if args.cpu:
-        model, options = tiny(args.work), ExportOptions(device="cpu")
-        size = args.size if args.size <= 256 else 64  # the tiny server allows 256 px at most
+        model, size = tiny(args.work), args.size
+        options = ExportOptions(device="cpu", max_size=max(size, 256))
     else:
         model, size = random_sdxl(args.work), args.size
         options = ExportOptions(device="cuda", dtype="fp16", gpus=(0,), runtime=args.runtime, max_size=size,
