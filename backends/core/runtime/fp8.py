@@ -49,10 +49,9 @@ class _Fp8Product(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
+        if not fits_e4m3(weight):
+            raise ValueError(f"an FP8 product needs dimensions that are multiples of 16, not {tuple(weight.shape)}")
         out_features, in_features = self.matrix(weight).shape
-        if out_features % 16 or in_features % 16:
-            raise ValueError(f"an FP8 product needs dimensions that are multiples of 16, not "
-                             f"{(out_features, in_features)} (weight {tuple(weight.shape)})")
         self.weight = weight  # the fp16 weight (a Parameter or a view of a packed one): refit writes it
         self.bias = bias
         self.register_buffer("w8", torch.empty((out_features, in_features), dtype=E4M3, device=weight.device))
