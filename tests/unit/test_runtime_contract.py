@@ -135,9 +135,12 @@ def test_vae_options_keep_the_pixels(repo):
     folder = repo / "vae_decoder" / "1"
     latents = np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float32)
     want = LatentDecoder(folder, Placement()).decode(latents)
+    # Laid out as [H, W, 3]: the Triton tensor takes it without a strided copy on the host.
+    assert want.shape == (64, 64, 3) and want.dtype == np.uint8 and want.flags.c_contiguous
     for options in ({"fused_kernels": True}, {"channels_last": True}, {"graphs": True}):  # graphs: GPU only
         got = LatentDecoder(folder, Placement(), **options).decode(latents)
         assert got.shape == want.shape and np.abs(got.astype(int) - want.astype(int)).max() <= 1, options
+        assert got.flags.c_contiguous, options
 
 
 def test_vae_half_precision_attention_follows_diffusers_processor(repo):

@@ -120,7 +120,9 @@ class LatentDecoder:
         # diffusers' postprocess, done on the device so that a quarter of the bytes cross to the
         # host: the same fp32 operations in the same order (round half to even), the same pixels.
         image = ((image.float() / 2 + 0.5).clamp(0, 1) * 255).round().to(torch.uint8)
-        return image.permute(0, 2, 3, 1)[0].cpu().numpy()
+        # [H, W, 3] laid out so on the device: a strided view would be copied on the host when the
+        # Triton tensor is made (numpy: 6.9 ms at 1024 px on the dev CPU, outside vae_decoder_s).
+        return image.permute(0, 2, 3, 1)[0].contiguous().cpu().numpy()
 
     def _decode(self, x: torch.Tensor) -> torch.Tensor:
         return self.vae.decode(x, return_dict=False)[0]
