@@ -82,7 +82,7 @@ def main() -> None:
     repo = args.work / f"repo-{'cpu' if args.cpu else args.runtime}"
     export_repository(model, repo, options)
     latencies, infos = [], []
-    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=900, echo=True) as server:
+    with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=900) as server:
         stats = grpcclient.InferenceServerClient(server.url_grpc)
         with EaselClient(server.url_grpc, protocol="grpc") as client:
             client.generate("warm up", steps=2, seed=0, width=size, height=size)
