@@ -27,8 +27,10 @@ import numpy as np
 from isal import isal_zlib
 
 # Raw bytes a strip holds, about; one task per strip. On the H200 host (16 cores; a 1024x1024
-# random-weight image, 3 MiB raw, bench/vae_micro.py): 256 KiB strips on 8 threads 26.5-32 ms,
-# 64 KiB strips on 16 threads 18.3 ms, and 4 KiB fewer bytes out of 2.6 MiB.
+# random-weight image, 3 MiB raw, bench/vae_micro.py), with zlib: 256 KiB strips on 8 threads
+# 26.5-32 ms, 64 KiB strips on 16 threads 18.3 ms, and 4 KiB fewer bytes out of 2.6 MiB. With
+# ISA-L on the dev CPU's 2 cores (the photo-like image): 16 KiB 12.9 ms, 64 KiB 7.2, 256 KiB 6.3,
+# 1 MiB 8.3; not yet measured on the host.
 STRIP_BYTES = 64 * 1024
 MAX_THREADS = 16
 LEVELS = range(isal_zlib.ISAL_BEST_SPEED, isal_zlib.ISAL_BEST_COMPRESSION + 1)
