@@ -44,8 +44,8 @@ from backends.core.stages.preview import preview_png
 from backends.denoiser_routing import LeastLoaded
 from backends.load_board import LoadReader
 from backends.preview_board import PreviewFile, remove_orphan_previews
-from backends.triton_adapter import (MARKS_PARAMETER, ForwardedError, failure, input_array, limits, parameters,
-                                     remaining_us, scalar)
+from backends.triton_adapter import (MARKS_PARAMETER, ForwardedError, failure, input_array, is_cancelled, limits,
+                                     parameters, remaining_us, scalar)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("backends.bls_pipeline")
@@ -101,7 +101,8 @@ class BlsPipeline:
         self.watcher.start()
 
     def start(self, request) -> None:
-        """Admits `request` and runs it on a worker; every answer goes through its response sender."""
+        """Admits `request` and runs it on a worker; every answer goes through its response sender.
+        Execute's caller holds EXECUTE_LOCK."""
         sender = request.get_response_sender()
         try:
             job = self._admit(request, sender)
@@ -229,7 +230,7 @@ class BlsPipeline:
                 try:
                     if not job.cancelled:
                         with job.answering:
-                            if job.answered or not job.sender.is_cancelled():
+                            if job.answered or not is_cancelled(job.sender):
                                 continue
                         job.cancelled = True  # the worker stops before its next model
                     denoising = job.denoising  # (a job that starts denoising now: next round)

@@ -8,6 +8,7 @@ from __future__ import annotations
 import gc
 import json
 import logging
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -20,6 +21,22 @@ from backends.core.request.contract import ModelDecl
 from backends.core.request.adapter_inputs import checked_params
 from backends.core.request.params import (Cancelled, GenerateParams, InvalidInput, Limits, Overloaded, UnknownAdapter,
                                           no_paths)
+
+# Triton 2.51's stub corrupts its own heap when a response sender's is_cancelled(), asked from
+# another thread, overlaps the model's execute on the main thread: under a flood of refusals beside
+# streams the client cancels, `easel_stream` died in 6 of 9 runs of bench/stream_stress.py
+# (87-186 s); with no is_cancelled() calls, 240 s clean in 3 of 3; with them kept out of execute by
+# this lock, clean in every run (bench/results/2026-11-24c-cpu/notes.md). Execute holds it; every
+# is_cancelled() outside execute takes it (`is_cancelled`), so one waits at most one round trip to
+# the parent for the other. One per stub process, as the stub is.
+EXECUTE_LOCK = threading.RLock()  # (re-entrant: an is_cancelled() inside execute is no overlap)
+
+
+def is_cancelled(sender) -> bool:
+    """`sender.is_cancelled()` from a thread other than execute's (see EXECUTE_LOCK)."""
+    with EXECUTE_LOCK:
+        return sender.is_cancelled()
+
 
 # Error messages sent to clients are cut to this many characters: gRPC carries them in a header,
 # and one over its metadata limit drops the whole stream (RESOURCE_EXHAUSTED) instead.

@@ -42,8 +42,8 @@ from backends.core.request.contract import DENOISE_JOB, WIRE_DTYPES, controlnet_
 from backends.core.request.params import InvalidInput  # noqa: E402
 from backends.core.runtime.unet_split import num_skips  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
-    adapter_store_folder, artifact_folder, code_of, drop_metrics, error, failure, input_array, mark, parameters,
-    params_tensor, placement, public_message, read_params, scalar, setup_logging)
+    EXECUTE_LOCK, adapter_store_folder, artifact_folder, code_of, drop_metrics, error, failure, input_array,
+    is_cancelled, mark, parameters, params_tensor, placement, public_message, read_params, scalar, setup_logging)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("backends.easel_denoiser")
@@ -103,6 +103,11 @@ class TritonPythonModel:
         self.loop.start()
 
     def execute(self, requests):
+        with EXECUTE_LOCK:  # (triton_adapter.EXECUTE_LOCK says why)
+            self._execute(requests)
+        return None
+
+    def _execute(self, requests) -> None:
         for request in requests:
             sender = request.get_response_sender()
             if pb_utils.get_input_tensor_by_name(request, "cancel") is not None:
@@ -128,7 +133,7 @@ class TritonPythonModel:
                     request_id=uuid.uuid4().hex, params=params,
                     prompt_embeds=pb_utils.get_input_tensor_by_name(request, "prompt_embeds").as_numpy(),
                     pooled_embeds=pb_utils.get_input_tensor_by_name(request, "pooled_embeds").as_numpy(),
-                    is_cancelled=sender.is_cancelled, controls=self._controls(request, params),
+                    is_cancelled=lambda: is_cancelled(sender), controls=self._controls(request, params),
                     deadline=time.monotonic() + timeout_us / 1e6 if timeout_us else None)
                 self._keyed(request, job, sender)
             except Exception as exc:
@@ -145,7 +150,6 @@ class TritonPythonModel:
             if job.request_id in self.keys:  # admitted: tells the caller a cancel now finds it
                 sender.send(pb_utils.InferenceResponse([]))
             self.loop.submit(job)
-        return None
 
     def _keyed(self, request, job: DenoiseJob, sender) -> None:
         """A request with a `cancel_key` can be cancelled by a later request naming the key; one
@@ -165,7 +169,7 @@ class TritonPythonModel:
             job.on_step, job.preview_every = self.outbox.put, int(every)
         if key is not None:
             cancelled = threading.Event()
-            job.is_cancelled = lambda: sender.is_cancelled() or cancelled.is_set()
+            job.is_cancelled = lambda: cancelled.is_set() or is_cancelled(sender)
             self.cancels[key] = cancelled
             self.keys[job.request_id] = key
 

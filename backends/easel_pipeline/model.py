@@ -15,7 +15,7 @@ for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
 sys.path[:] = [p for p in sys.path if p not in _own] + _own
 
 from backends.bls_pipeline import BlsPipeline  # noqa: E402
-from backends.triton_adapter import setup_logging  # noqa: E402
+from backends.triton_adapter import EXECUTE_LOCK, setup_logging  # noqa: E402
 
 
 class TritonPythonModel:
@@ -24,8 +24,9 @@ class TritonPythonModel:
         self.pipeline = BlsPipeline(args)
 
     def execute(self, requests):
-        for request in requests:
-            self.pipeline.start(request)
+        with EXECUTE_LOCK:  # (triton_adapter.EXECUTE_LOCK says why)
+            for request in requests:
+                self.pipeline.start(request)
         return None
 
     def finalize(self):
