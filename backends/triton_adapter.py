@@ -25,17 +25,24 @@ from backends.core.request.params import (Cancelled, GenerateParams, InvalidInpu
 # Triton 2.51's stub corrupts its own heap when a response sender's is_cancelled(), asked from
 # another thread, overlaps the model's execute on the main thread: under a flood of refusals beside
 # streams the client cancels, `easel_stream` died in 6 of 9 runs of bench/stream_stress.py
-# (87-186 s); with no is_cancelled() calls, 240 s clean in 3 of 3; with them kept out of execute by
-# this lock, clean in every run (bench/results/2026-11-24c-cpu/notes.md). Execute holds it; every
-# is_cancelled() outside execute takes it (`is_cancelled`), so one waits at most one round trip to
-# the parent for the other. One per stub process, as the stub is.
-EXECUTE_LOCK = threading.RLock()  # (re-entrant: an is_cancelled() inside execute is no overlap)
+# (87-186 s); with no is_cancelled() calls, 240 s clean in 3 of 3; with the two kept apart by this
+# lock, clean in every run (bench/results/2026-11-24c-cpu/notes.md). Execute holds it; every
+# is_cancelled() outside execute goes through `is_cancelled`. One per stub process, as the stub
+# is; re-entrant, since a query inside execute overlaps nothing.
+EXECUTE_LOCK = threading.RLock()
 
 
 def is_cancelled(sender) -> bool:
-    """`sender.is_cancelled()` from a thread other than execute's (see EXECUTE_LOCK)."""
-    with EXECUTE_LOCK:
+    """`sender.is_cancelled()` from a thread other than execute's (see EXECUTE_LOCK). While an
+    execute runs it answers False without asking or waiting: the caller (the pipeline's watcher,
+    the denoiser's loop at a step boundary) asks again at its next poll or step, and is never held
+    up by an execute that decodes images."""
+    if not EXECUTE_LOCK.acquire(blocking=False):
+        return False
+    try:
         return sender.is_cancelled()
+    finally:
+        EXECUTE_LOCK.release()
 
 
 # Error messages sent to clients are cut to this many characters: gRPC carries them in a header,
