@@ -11,8 +11,9 @@ responses. A top-level Python model does see its client's cancel: its response s
 request reaches its denoiser under a key of ours, and when the client cancels, a watcher thread
 sends that denoiser a small request naming the key: the denoiser drops the request at its next
 step boundary. The watcher asks `is_cancelled()` only while no execute runs
-(triton_adapter.EXECUTE_LOCK: otherwise Triton 2.51's stub corrupts its heap). A client's deadline also reaches the denoiser as what is left of the request's
-timeout (triton_adapter.remaining_us), for clients that cannot cancel (HTTP).
+(triton_adapter.EXECUTE_LOCK: otherwise Triton 2.51's stub corrupts its heap). A client's
+deadline also reaches the denoiser as what is left of the request's timeout
+(triton_adapter.remaining_us), for clients that cannot cancel (HTTP).
 
 `execute` only copies the inputs and hands each request to a worker thread, which answers through
 the request's response sender: the unary model too, as Triton 2.51 lets a non-decoupled Python
