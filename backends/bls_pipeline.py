@@ -104,7 +104,7 @@ class BlsPipeline:
 
     def start(self, request) -> None:
         """Admits `request` and runs it on a worker; every answer goes through its response sender.
-        Execute's caller holds EXECUTE_LOCK."""
+        Called from execute, under triton_adapter.EXECUTE_LOCK."""
         sender = request.get_response_sender()
         try:
             job = self._admit(request, sender)

@@ -22,19 +22,18 @@ import threading
 
 from backends.core.shm_files import SHM_DIR, remove_orphans, server_file, unlink
 
-BOARD_DIR = SHM_DIR
 PREFIX = "easel-load-"
 _VALUE = struct.Struct("<dd")
 
 
-def board_path(denoiser: str, folder: str = BOARD_DIR, server_pid: int | None = None) -> str:
+def board_path(denoiser: str, folder: str = SHM_DIR, server_pid: int | None = None) -> str:
     return server_file(PREFIX, denoiser, folder, server_pid)
 
 
 class LoadWriter:
     """A denoiser's side: publish(work) from any thread."""
 
-    def __init__(self, denoiser: str, folder: str = BOARD_DIR, server_pid: int | None = None):
+    def __init__(self, denoiser: str, folder: str = SHM_DIR, server_pid: int | None = None):
         remove_orphans(folder, PREFIX)
         self.path = board_path(denoiser, folder, server_pid)
         self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o600)
@@ -59,7 +58,7 @@ class LoadWriter:
 class LoadReader:
     """A router's side: the work each denoiser published, or None where it has not (yet)."""
 
-    def __init__(self, folder: str = BOARD_DIR, server_pid: int | None = None):
+    def __init__(self, folder: str = SHM_DIR, server_pid: int | None = None):
         self.folder, self.server_pid = folder, server_pid
 
     def __call__(self, denoiser: str) -> float | None:

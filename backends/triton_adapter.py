@@ -5,6 +5,7 @@ Only the adapters import this module; the core (backends/core) never sees Triton
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 import logging
@@ -26,10 +27,20 @@ from backends.core.request.params import (Cancelled, GenerateParams, InvalidInpu
 # another thread, overlaps the model's execute on the main thread: under a flood of refusals beside
 # streams the client cancels, `easel_stream` died in 6 of 9 runs of bench/stream_stress.py
 # (87-186 s); with no is_cancelled() calls, 240 s clean in 3 of 3; with the two kept apart by this
-# lock, clean in every run (bench/results/2026-11-24c-cpu/notes.md). Execute holds it; every
-# is_cancelled() outside execute goes through `is_cancelled`. One per stub process, as the stub
-# is; re-entrant, since a query inside execute overlaps nothing.
+# lock, clean in every run (bench/results/2026-11-24c-cpu/notes.md). Execute holds it
+# (`holds_execute_lock`); every is_cancelled() outside execute goes through `is_cancelled`. One per
+# stub process, as the stub is; re-entrant, since a query inside execute overlaps nothing.
 EXECUTE_LOCK = threading.RLock()
+
+
+def holds_execute_lock(execute):
+    """A model's `execute`, run under EXECUTE_LOCK: for the models whose other threads ask
+    `is_cancelled()`."""
+    @functools.wraps(execute)
+    def locked(*args, **kwargs):
+        with EXECUTE_LOCK:
+            return execute(*args, **kwargs)
+    return locked
 
 
 def is_cancelled(sender) -> bool:

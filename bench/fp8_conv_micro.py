@@ -26,11 +26,11 @@ log = logging.getLogger("bench.fp8_conv_micro")
 
 
 def sdxl_convolutions(size: int) -> Counter:
-    """(side, in, out, kernel, stride) -> how many a step runs: the ResNet blocks', the
-    downsamplers' and the upsamplers' convolutions of SDXL base at `size` px (side: the input's)."""
+    """(side, in, out, kernel, stride) -> how many a step runs: the convolutions use_fp8 takes
+    (fp8.convolution_slots) of SDXL base at `size` px (side: the input's)."""
     from diffusers import UNet2DConditionModel
 
-    from backends.core.runtime.fp8 import convertible, fits_e4m3
+    from backends.core.runtime.fp8 import convertible, convolution_slots, fits_e4m3
     from export.tiny import unet_kwargs
 
     with torch.device("meta"):
@@ -41,9 +41,9 @@ def sdxl_convolutions(size: int) -> Counter:
         x = args[0]
         found[(x.shape[-1], module.in_channels, module.out_channels, module.kernel_size[0], module.stride[0])] += 1
 
-    hooks = [m.register_forward_pre_hook(note) for m in unet.modules()
-             if type(m) is nn.Conv2d and m is not unet.conv_in and m is not unet.conv_out
-             and convertible(m) and fits_e4m3(m.weight)]
+    convs = (getattr(owner, name, None) for owner, name in convolution_slots(unet))
+    hooks = [m.register_forward_pre_hook(note) for m in convs
+             if type(m) is nn.Conv2d and convertible(m) and fits_e4m3(m.weight)]
     latent = size // 8
     with torch.device("meta"), torch.no_grad():
         unet(torch.empty(2, 4, latent, latent), torch.empty(2), torch.empty(2, 77, 2048),

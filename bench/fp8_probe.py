@@ -43,6 +43,7 @@ import time
 import torch
 
 from backends.core.runtime.config import FP8_EXPERIMENTAL, FP8_PARTS
+from backends.core.runtime.fp8 import Fp8Conv2d
 from bench.common import (bench_parser, random_sdxl, random_sdxl_denoiser, random_sdxl_fp8_calibration, rel_rms,
                           start_logging, write_json)
 from bench.fp8_fidelity import diagnose
@@ -162,9 +163,9 @@ def main() -> None:
         entry = report["variants"][name] = {"kind": kind, "load_s": time.perf_counter() - start}
         if runtime.fp8_layers:
             layers = runtime.fp8_layers
-            entry.update(fp8_layers=len(layers), fp8_convolutions=sum(type(x).__name__ == "Fp8Conv2d" for x in layers),
+            entry.update(fp8_layers=len(layers), fp8_convolutions=sum(isinstance(x, Fp8Conv2d) for x in layers),
                          input_amax={"min": min(float(x.x_amax) for x in layers),
-                                                              "max": max(float(x.x_amax) for x in layers)})
+                                     "max": max(float(x.x_amax) for x in layers)})
         template = template_batch(eager.weights_module, dev, torch.float16)
         start = time.perf_counter()
         runtime.warmup(template, [(latent, latent)])

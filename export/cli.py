@@ -20,15 +20,16 @@ def _positive_ints(flag: str):
 
 
 def _fp8_parts(text: str) -> tuple[str, ...]:
-    from backends.core.runtime.config import FP8_EXPERIMENTAL, FP8_PARTS
+    from backends.core.runtime.config import FP8_PARTS, check_fp8_parts
 
     named = [v.strip() for v in text.split(",") if v.strip()]
     parts = tuple(dict.fromkeys(p for v in named for p in (FP8_PARTS if v == "all" else (v,))))
-    unknown = sorted(set(parts) - set(FP8_PARTS + FP8_EXPERIMENTAL))
-    if not parts or unknown:
-        raise argparse.ArgumentTypeError(f"--fp8: {text!r} must list parts of {','.join(FP8_PARTS + FP8_EXPERIMENTAL)} "
-                                         f"or all (= {','.join(FP8_PARTS)})")
-    return parts
+    try:
+        if not parts:
+            raise ValueError(f"--fp8: {text!r} names no part")
+        return check_fp8_parts(parts, "--fp8")
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{exc}, or all (= {','.join(FP8_PARTS)})") from None
 
 
 def _gpus(text: str) -> tuple[int, ...]:

@@ -42,7 +42,7 @@ from backends.core.request.contract import DENOISE_JOB, WIRE_DTYPES, controlnet_
 from backends.core.request.params import InvalidInput  # noqa: E402
 from backends.core.runtime.unet_split import num_skips  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
-    EXECUTE_LOCK, adapter_store_folder, artifact_folder, code_of, drop_metrics, error, failure, input_array,
+    adapter_store_folder, artifact_folder, code_of, drop_metrics, error, failure, holds_execute_lock, input_array,
     is_cancelled, mark, parameters, params_tensor, placement, public_message, read_params, scalar, setup_logging)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
@@ -102,12 +102,8 @@ class TritonPythonModel:
         self.step_metrics = StepMetrics(args, self.loop.stats)  # queue, running, step times: its own thread
         self.loop.start()
 
+    @holds_execute_lock
     def execute(self, requests):
-        with EXECUTE_LOCK:  # (triton_adapter.EXECUTE_LOCK says why)
-            self._execute(requests)
-        return None
-
-    def _execute(self, requests) -> None:
         for request in requests:
             sender = request.get_response_sender()
             if pb_utils.get_input_tensor_by_name(request, "cancel") is not None:
@@ -150,6 +146,7 @@ class TritonPythonModel:
             if job.request_id in self.keys:  # admitted: tells the caller a cancel now finds it
                 sender.send(pb_utils.InferenceResponse([]))
             self.loop.submit(job)
+        return None
 
     def _keyed(self, request, job: DenoiseJob, sender) -> None:
         """A request with a `cancel_key` can be cancelled by a later request naming the key; one

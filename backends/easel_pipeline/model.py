@@ -15,7 +15,7 @@ for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
 sys.path[:] = [p for p in sys.path if p not in _own] + _own
 
 from backends.bls_pipeline import BlsPipeline  # noqa: E402
-from backends.triton_adapter import EXECUTE_LOCK, setup_logging  # noqa: E402
+from backends.triton_adapter import holds_execute_lock, setup_logging  # noqa: E402
 
 
 class TritonPythonModel:
@@ -23,10 +23,10 @@ class TritonPythonModel:
         setup_logging()
         self.pipeline = BlsPipeline(args)
 
+    @holds_execute_lock
     def execute(self, requests):
-        with EXECUTE_LOCK:  # (triton_adapter.EXECUTE_LOCK says why)
-            for request in requests:
-                self.pipeline.start(request)
+        for request in requests:
+            self.pipeline.start(request)
         return None
 
     def finalize(self):

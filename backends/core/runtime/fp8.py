@@ -51,10 +51,9 @@ class _Fp8Product(nn.Module):
         super().__init__()
         if not fits_e4m3(weight):
             raise ValueError(f"an FP8 product needs dimensions that are multiples of 16, not {tuple(weight.shape)}")
-        out_features, in_features = self.matrix(weight).shape
         self.weight = weight  # the fp16 weight (a Parameter or a view of a packed one): refit writes it
         self.bias = bias
-        self.register_buffer("w8", torch.empty((out_features, in_features), dtype=E4M3, device=weight.device))
+        self.register_buffer("w8", torch.empty((weight.shape[0], weight[0].numel()), dtype=E4M3, device=weight.device))
         self.register_buffer("w_scale", torch.ones((), dtype=torch.float32, device=weight.device))
         self.register_buffer("x_scale", torch.ones((), dtype=torch.float32, device=weight.device))
         # fp32: as an fp16 multiplier, 448 / (HEADROOM * amax) overflows for ranges under 0.0017.
@@ -165,6 +164,18 @@ class Fp8Conv2d(_Fp8Product):
         return f"in={cin}, out={out}, kernel={(kh, kw)}, stride={self.stride}, padding={self.padding}"
 
 
+def convolution_slots(unet: nn.Module):
+    """(owner, attribute) of every convolution the part `convolutions` covers: the ResNet blocks',
+    the downsamplers' and the upsamplers' (not the UNet's first and last, on 4 channels)."""
+    from diffusers.models.resnet import Downsample2D, ResnetBlock2D, Upsample2D
+
+    for module in list(unet.modules()):  # (a caller may swap children as it goes)
+        if isinstance(module, ResnetBlock2D):
+            yield from ((module, name) for name in ("conv1", "conv2", "conv_shortcut"))
+        elif isinstance(module, (Downsample2D, Upsample2D)):
+            yield module, "conv"
+
+
 def use_fp8(unet: nn.Module, parts: tuple[str, ...] = FP8_PARTS) -> list[_Fp8Product]:
     """Swap the UNet's products for e4m3 ones, in place; returns them (to calibrate and
     requantize). `parts`: in the transformer blocks, the attention's input projections
@@ -179,7 +190,6 @@ def use_fp8(unet: nn.Module, parts: tuple[str, ...] = FP8_PARTS) -> list[_Fp8Pro
     26.55 ms, H200) and its noise 2.8% from fp16's instead of 3.1% (bench/fp8_probe.py,
     results/2026-11-24b-h200)."""
     from diffusers.models.attention import BasicTransformerBlock
-    from diffusers.models.resnet import Downsample2D, ResnetBlock2D, Upsample2D
     from diffusers.models.transformers.transformer_2d import Transformer2DModel
 
     from backends.core.runtime.packed_attention import PackedCrossAttnProcessor, PackedSelfAttnProcessor
@@ -204,13 +214,10 @@ def use_fp8(unet: nn.Module, parts: tuple[str, ...] = FP8_PARTS) -> list[_Fp8Pro
             return
         swapped.append(getattr(owner, attr))
 
+    if "convolutions" in parts:
+        for owner, name in list(convolution_slots(unet)):
+            swap(owner, name)
     for module in list(unet.modules()):  # (the walk swaps children as it goes)
-        if "convolutions" in parts:
-            if isinstance(module, ResnetBlock2D):
-                for name in ("conv1", "conv2", "conv_shortcut"):
-                    swap(module, name)
-            elif isinstance(module, (Downsample2D, Upsample2D)):
-                swap(module, "conv")
         if isinstance(module, Transformer2DModel) and "projections" in parts:
             swap(module, "proj_in")
             swap(module, "proj_out")
