@@ -12,8 +12,15 @@ The statistics count every request a model ran, BLS ones included; the server ru
 requests while they are taken. The denoiser is decoupled: its statistics cover `execute` (the
 enqueue) only, hence its own account.
 
+Triton's compute splits into copying the inputs in, the stub's infer (the adapter's Python and
+the stub's message round trip; the model's own stage is inside it) and copying the outputs out.
+`--py-spy` also samples the stubs (py-spy's raw folded stacks, idle frames included, one file per
+stub beside --out) while the timed requests run: where the adapters' time outside their stages
+goes. `--repo` traces an existing repository (e.g. `easel bench`'s, whose compile cache is warm).
+
     python3 -m bench.pipeline_trace --work /tmp/easel-trace --out $OUT/pipeline_trace.json [--runtime graphs]
     python3 -m bench.pipeline_trace --work /tmp/easel-trace --out /tmp/t.json --cpu --steps 4  # the tiny model
+    python3 -m bench.pipeline_trace --work /tmp/eb --repo /tmp/eb/repo-0C-0L --out $OUT/trace.json --py-spy py-spy
 """
 
 from __future__ import annotations
@@ -21,7 +28,9 @@ from __future__ import annotations
 import json
 import logging
 import statistics
+import subprocess
 import time
+from pathlib import Path
 
 from bench.common import bench_parser, random_sdxl, start_logging, tiny
 
@@ -45,16 +54,40 @@ def model_totals(client) -> dict[str, dict[str, int]]:
 
 
 def per_request(before: dict, after: dict) -> dict[str, dict[str, float]]:
-    """Seconds per request in each model, between two model_totals."""
+    """Seconds per request in each model and part (`<part>_s`, and `compute_s` their sum but the
+    queue's), between two model_totals."""
     out = {}
     for name, end in after.items():
         start = before.get(name, dict.fromkeys(end, 0))
         count = end["count"] - start["count"]
         if count:
-            row = {part: (end[part] - start[part]) / count / 1e9 for part in PARTS}
-            out[name] = {"requests": count, "queue_s": row["queue"],
-                         "compute_s": row["compute_input"] + row["compute_infer"] + row["compute_output"]}
+            row = {f"{part}_s": (end[part] - start[part]) / count / 1e9 for part in PARTS}
+            row["compute_s"] = row["compute_input_s"] + row["compute_infer_s"] + row["compute_output_s"]
+            out[name] = {"requests": count, **row}
     return out
+
+
+def stub_pids() -> list[tuple[str, int]]:
+    """(model name, pid) of every Python stub (every instance), from the stubs' command lines,
+    which name the model's `<repository>/<model>/<version>/model.py`."""
+    found = []
+    for line in subprocess.run(["ps", "-eo", "pid=,args="], capture_output=True, text=True, check=True).stdout.splitlines():
+        pid, _, command = line.strip().partition(" ")
+        if "triton_python_backend_stub" in command:
+            found += [(Path(arg).parent.parent.name, int(pid)) for arg in command.split() if arg.endswith("/model.py")]
+    return sorted(found)
+
+
+def start_sampling(py_spy: str, out: Path, seconds: float) -> list[subprocess.Popen]:
+    """py-spy on every stub for `seconds`: `<out stem>.<model>.<pid>.txt`, raw folded stacks."""
+    procs = []
+    for model, pid in stub_pids():
+        target = out.with_name(f"{out.stem}.{model}.{pid}.txt")
+        procs.append(subprocess.Popen([py_spy, "record", "--pid", str(pid), "--duration", str(int(seconds) + 1),
+                                       "--rate", "250", "--idle", "--format", "raw", "--nonblocking",
+                                       "--output", str(target)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+    time.sleep(1.0)  # attached before the first timed request
+    return procs
 
 
 def main() -> None:
@@ -62,6 +95,11 @@ def main() -> None:
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--runtime", default="graphs", choices=("eager", "graphs", "compiled"))
     p.add_argument("--cpu", action="store_true", help="the tiny model on CPU (a smoke run of this script)")
+    p.add_argument("--repo", type=Path, default=None, help="an existing repository to trace (no export)")
+    p.add_argument("--py-spy", default=None, metavar="BIN", help="sample the stubs with this py-spy")
+    p.add_argument("--sample-seconds", type=float, default=None,
+                   help="how long py-spy samples (default: long enough for the timed requests, estimated from "
+                        "the warm-up request)")
     args = p.parse_args()
     start_logging()
 
@@ -72,20 +110,28 @@ def main() -> None:
     from export.repository import ExportOptions, export_repository
 
     args.work.mkdir(parents=True, exist_ok=True)
-    if args.cpu:
-        model, size = tiny(args.work), args.size
-        options = ExportOptions(device="cpu", max_size=max(size, 256))
-    else:
-        model, size = random_sdxl(args.work), args.size
-        options = ExportOptions(device="cuda", dtype="fp16", gpus=(0,), runtime=args.runtime, max_size=size,
-                                warmup_sizes=(size,))
-    repo = args.work / f"repo-{'cpu' if args.cpu else args.runtime}"
-    export_repository(model, repo, options)
-    latencies, infos = [], []
+    size = args.size
+    repo = args.repo
+    if repo is None:
+        if args.cpu:
+            model = tiny(args.work)
+            options = ExportOptions(device="cpu", max_size=max(size, 256))
+        else:
+            model = random_sdxl(args.work)
+            options = ExportOptions(device="cuda", dtype="fp16", gpus=(0,), runtime=args.runtime, max_size=size,
+                                    warmup_sizes=(size,))
+        repo = args.work / f"repo-{'cpu' if args.cpu else args.runtime}"
+        export_repository(model, repo, options)
+    latencies, infos, samplers = [], [], []
     with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=900) as server:
         stats = grpcclient.InferenceServerClient(server.url_grpc)
         with EaselClient(server.url_grpc, protocol="grpc") as client:
-            client.generate("warm up", steps=2, seed=0, width=size, height=size)
+            start = time.perf_counter()
+            client.generate("warm up", steps=args.steps, seed=0, width=size, height=size)
+            warm_up_s = time.perf_counter() - start
+            if args.py_spy:
+                args.out.parent.mkdir(parents=True, exist_ok=True)
+                samplers = start_sampling(args.py_spy, args.out, args.sample_seconds or 2 + 1.5 * warm_up_s * args.runs)
             before = model_totals(stats)
             for seed in range(args.runs):
                 start = time.perf_counter()
@@ -93,6 +139,10 @@ def main() -> None:
                 latencies.append(time.perf_counter() - start)
                 infos.append(result.info)
             models = per_request(before, model_totals(stats))
+            for proc in samplers:  # (py-spy writes its file when its duration ends)
+                _, err = proc.communicate()
+                if proc.returncode:
+                    log.warning("py-spy: %s", err.decode(errors="replace").strip()[-500:])
     stages = {stage: statistics.median(i["stages_s"][stage] for i in infos) for stage in infos[0]["stages_s"]}
     median = {"client_s": statistics.median(latencies), "total_s": statistics.median(i["total_s"] for i in infos),
               "denoiser_queue_s": statistics.median(i["queue_s"] for i in infos), "stages_s": stages,
@@ -100,13 +150,16 @@ def main() -> None:
                   i["total_s"] - i["queue_s"] - sum(i["stages_s"].values()) for i in infos)}
     for name in STAGES:
         if name in models:
-            log.info("%-13s queue %.4f s, compute %.4f s a request (Triton's count)", name, models[name]["queue_s"],
-                     models[name]["compute_s"])
+            row = models[name]
+            log.info("%-13s queue %.4f s, compute %.4f s (input %.4f, infer %.4f, output %.4f) a request (Triton's "
+                     "count)", name, row["queue_s"], row["compute_s"], row["compute_input_s"], row["compute_infer_s"],
+                     row["compute_output_s"])
     log.info("their own accounts: denoiser queue %.4f s, %s", median["denoiser_queue_s"],
              ", ".join(f"{stage} {seconds:.4f}" for stage, seconds in stages.items()))
     log.info("server total %.4f s, of which between the models %.4f s; client %.4f s", median["total_s"],
              median["between_models_s"], median["client_s"])
-    report = {"size": size, "steps": args.steps, "runtime": "eager" if args.cpu else args.runtime,
+    report = {"size": size, "steps": args.steps, "repository": str(repo),
+              "runtime": "eager" if args.cpu else (args.runtime if args.repo is None else "the repository's"),
               "client_s": latencies, "infos": infos, "models": models, "median": median}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

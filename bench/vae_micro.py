@@ -17,9 +17,11 @@ from __future__ import annotations
 import io
 import json
 import logging
+import os
 import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import numpy as np
 
@@ -45,6 +47,13 @@ def wall_s(fn, iters: int, warmup: int = 2) -> list[float]:
         fn()  # ends in a host copy: synchronous
         times.append(time.perf_counter() - start)
     return times
+
+
+def _read(path: str) -> str | None:
+    try:
+        return Path(path).read_text().strip()
+    except OSError:
+        return None
 
 
 def main() -> None:
@@ -111,10 +120,14 @@ def main() -> None:
 
     # Our encoder's settings (strip size, threads) against its defaults: the bytes depend on the
     # strip size only.
-    pools = {n: ThreadPoolExecutor(n) for n in (8, 16)}
+    pools = {n: ThreadPoolExecutor(n) for n in (2, 4, 8, 16)}
     settings = {f"png_ours_{kib}k_{n}t": (lambda kib=kib, n=n: encode_png(reference, PNG_COMPRESS_LEVEL, kib * 1024,
                                                                         pools[n]))
-                for kib in (64, 128, 256) for n in pools}
+                for kib in (16, 64, 256) for n in pools}
+    # The cores this process may use: a container's CPU quota can be below os.cpu_count().
+    report["host"] = {"cpu_count": os.cpu_count(), "affinity": len(os.sched_getaffinity(0)),
+                      "cgroup_cpu_max": _read("/sys/fs/cgroup/cpu.max")}
+    log.info("host: %s", report["host"])
     for name, fn in (("png_ours", lambda: encode_png(reference, PNG_COMPRESS_LEVEL)), ("png_pil", pil_png),
                      *settings.items()):
         times = wall_s(fn, args.iters)

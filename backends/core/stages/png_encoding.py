@@ -79,8 +79,13 @@ def _deflate_strip(pixels: np.ndarray, start: int, stop: int, level: int, last: 
     return data, isal_zlib.adler32(raw), len(raw)
 
 
-def _chunk(kind: bytes, data: bytes) -> bytes:
-    return struct.pack(">I", len(data)) + kind + data + struct.pack(">I", isal_zlib.crc32(data, isal_zlib.crc32(kind)))
+def _chunk(kind: bytes, *parts: bytes) -> list[bytes]:
+    """A chunk whose data is `parts` concatenated, as pieces to join: the image's data is not
+    copied into a chunk of its own first (each copy of a 1024 px image's 3 MiB costs a millisecond)."""
+    crc = isal_zlib.crc32(kind)
+    for part in parts:
+        crc = isal_zlib.crc32(part, crc)
+    return [struct.pack(">I", sum(map(len, parts))), kind, *parts, struct.pack(">I", crc)]
 
 
 def encode_png(pixels: np.ndarray, level: int, strip_bytes: int = STRIP_BYTES,
@@ -104,6 +109,6 @@ def encode_png(pixels: np.ndarray, level: int, strip_bytes: int = STRIP_BYTES,
     for _, adler, length in strips:
         checksum = adler32_combine(checksum, adler, length)
     # zlib header: deflate, 32 KiB window, "fastest" level hint; its check bits make it a multiple of 31.
-    stream = b"\x78\x01" + b"".join(data for data, _, _ in strips) + struct.pack(">I", checksum)
+    stream = [b"\x78\x01", *(data for data, _, _ in strips), struct.pack(">I", checksum)]
     header = struct.pack(">IIBBBBB", width, height, 8, 2, 0, 0, 0)
-    return _SIGNATURE + _chunk(b"IHDR", header) + _chunk(b"IDAT", stream) + _chunk(b"IEND", b"")
+    return b"".join([_SIGNATURE, *_chunk(b"IHDR", header), *_chunk(b"IDAT", *stream), *_chunk(b"IEND")])
