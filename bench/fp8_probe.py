@@ -12,8 +12,7 @@ request (Euler, guidance 5, another prompt) through it: its denoised latents' er
 image's PSNR against fp16's (the image says less: a random VAE saturates much of it). Variants:
 `fp16`; `fp8` (attention's input projections, feed-forward and the blocks' projections);
 `fp8-ff` (feed-forward only: its products are the largest); `fp8-fast` (`fp8` with cuBLAS's fast
-accumulation); `fp8-conv-fast` (`fp8-fast` and the ResNet blocks', downsamplers' and upsamplers'
-convolutions as e4m3 products over their patches, runtime/fp8.Fp8Conv2d).
+accumulation).
 
 The eighteenth session's variants, since made the runtime's FP8 (results/2026-11-24b-h200, four
 runs on H200s, each in one process): the bias in the product's epilogue took a step from 26.88 to
@@ -42,8 +41,7 @@ import time
 
 import torch
 
-from backends.core.runtime.config import FP8_EXPERIMENTAL, FP8_PARTS
-from backends.core.runtime.fp8 import Fp8Conv2d
+from backends.core.runtime.config import FP8_PARTS
 from bench.common import (bench_parser, random_sdxl, random_sdxl_denoiser, random_sdxl_fp8_calibration, rel_rms,
                           start_logging, write_json)
 from bench.fp8_fidelity import diagnose
@@ -51,9 +49,8 @@ from bench.runtime_micro import gpu_ms
 
 log = logging.getLogger("bench.fp8_probe")
 PROMPTS = ("a lighthouse on a cliff in a storm, dramatic clouds", "a bowl of ramen on a wooden table, top view")
-VARIANTS = {"fp16": None, "fp8": FP8_PARTS, "fp8-ff": ("feed_forward",), "fp8-fast": FP8_PARTS,
-            "fp8-conv-fast": FP8_PARTS + FP8_EXPERIMENTAL}
-FAST_ACCUM = {"fp8-fast", "fp8-conv-fast"}
+VARIANTS = {"fp16": None, "fp8": FP8_PARTS, "fp8-ff": ("feed_forward",), "fp8-fast": FP8_PARTS}
+FAST_ACCUM = {"fp8-fast"}
 
 
 def noise(runtime, batch) -> torch.Tensor:
@@ -163,9 +160,8 @@ def main() -> None:
         entry = report["variants"][name] = {"kind": kind, "load_s": time.perf_counter() - start}
         if runtime.fp8_layers:
             layers = runtime.fp8_layers
-            entry.update(fp8_layers=len(layers), fp8_convolutions=sum(isinstance(x, Fp8Conv2d) for x in layers),
-                         input_amax={"min": min(float(x.x_amax) for x in layers),
-                                     "max": max(float(x.x_amax) for x in layers)})
+            entry.update(fp8_linears=len(layers), input_amax={"min": min(float(x.x_amax) for x in layers),
+                                                              "max": max(float(x.x_amax) for x in layers)})
         template = template_batch(eager.weights_module, dev, torch.float16)
         start = time.perf_counter()
         runtime.warmup(template, [(latent, latent)])

@@ -124,8 +124,7 @@ def parser() -> argparse.ArgumentParser:
                           "approximate and faster")
     exp.add_argument("--fp8", type=_fp8_parts, default=(),
                      help="experimental: the transformer blocks' products in FP8 with calibrated scales (approximate, faster; README): "
-                          "comma-separated parts of attention,feed_forward,projections, or all (those three), "
-                          "and the experimental convolutions, not yet measured on a GPU (default: none)")
+                          "comma-separated parts of attention,feed_forward,projections, or all (default: none)")
     exp.add_argument("--fp8-fast-accum", action="store_true",
                      help="with --fp8: cuBLAS's fast accumulation of the FP8 products (faster; README)")
     prof = sub.add_parser("profile-lora", help="measure each LoRA's bound K (steps it may join late) for a repository")

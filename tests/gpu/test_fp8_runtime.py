@@ -19,8 +19,8 @@ from backends.core.adapters.store import AdapterStore
 from backends.core.engine.builder import build_runtime
 from backends.core.runtime.artifacts import UNET_DIR, load_unet_halves
 from backends.core.runtime.base import LoraSegment
-from backends.core.runtime.config import FP8_EXPERIMENTAL, FP8_PARTS, RuntimeConfig
-from backends.core.runtime.fp8 import CALIBRATION_FILE, Fp8Conv2d, Fp8Linear, calibrating
+from backends.core.runtime.config import FP8_PARTS, RuntimeConfig
+from backends.core.runtime.fp8 import CALIBRATION_FILE, Fp8Linear
 from backends.core.runtime.placement import Placement
 from backends.core.runtime.torch_eager import EagerUNetRuntime
 from bench.common import rel_rms
@@ -117,39 +117,3 @@ def test_a_compiled_fp8_runtime_after_a_compiled_fp16_one_in_the_same_process(fo
     # value: a few percent, where another module's compiled code would be far off.
     assert rel_rms(got, step(fp8.eager, b)) <= 0.05
     assert 1e-3 < rel_rms(got, exact) <= 0.10
-
-
-@pytest.mark.parametrize("kernel,stride,padding", [(3, 1, 1), (3, 2, 1), (1, 1, 0)])
-@torch.no_grad()
-def test_an_fp8_convolution_on_the_gpu_eager_and_compiled(kernel, stride, padding):
-    """cuBLAS's e4m3 product over the patches, eager and compiled (the cast and the patches fused
-    as inductor likes), against the convolution of the e4m3 operands in fp32: the accumulation's
-    rounding only (fp16 output, 1e-2 of the largest magnitude), and against the exact fp16
-    convolution: e4m3's own error (<= 8%, as on the CPU)."""
-    torch.manual_seed(0)
-    conv = torch.nn.Conv2d(64, 96, kernel, stride=stride, padding=padding).to("cuda", torch.float16)
-    conv = conv.to(memory_format=torch.channels_last)
-    x = torch.randn(2, 64, 32, 32, device="cuda", dtype=torch.float16).contiguous(memory_format=torch.channels_last)
-    fp8 = Fp8Conv2d(conv)
-    with calibrating([fp8]):
-        fp8(x)
-    w = fp8.w8.float().reshape(96, kernel, kernel, 64).permute(0, 3, 1, 2) * fp8.w_scale
-    want = torch.nn.functional.conv2d(fp8.quantize(x).float() * fp8.x_scale, w, conv.bias.float(), stride, padding)
-    for got in (fp8(x), torch.compile(fp8)(x)):
-        assert got.shape == want.shape and got.is_contiguous(memory_format=torch.channels_last)
-        assert rel_err(got.float(), want) <= 1e-2
-        assert 1e-3 < rel_rms(got.float(), conv(x).float()) <= 0.08
-
-
-def test_fp8_convolutions_in_graphs_stay_near_the_fp16_step(tiny_model, tmp_path):
-    """The experimental part: every ResNet convolution an Fp8Conv2d, replayed in a graph. The tiny
-    UNet (mostly ResNet blocks) moved by 10.7% on a CPU with them (tests/unit/test_fp8.py)."""
-    parts = FP8_PARTS + FP8_EXPERIMENTAL
-    repo = export_repository(tiny_model, tmp_path / "repo",
-                             ExportOptions(device="cuda", gpus=(0,), runtime="graphs", fp8=parts))
-    exact, fp8 = runtimes(repo / "denoiser_gpu0" / "1", dataclasses.replace(CONFIG, fp8=parts))
-    assert any(isinstance(layer, Fp8Conv2d) for layer in fp8.fp8_layers)
-    b = batch(exact.weights_module, 2, seed=3)
-    error = rel_rms(step(fp8, b), step(exact, b))
-    assert 1e-3 < error <= 0.15, f"relative RMS error {error:.4f}"
-    assert fp8.stats.graph_steps == 1

@@ -15,19 +15,14 @@ from typing import Any, Mapping
 RUNTIME_KINDS = ("eager", "graphs", "compiled")
 # What of the transformer blocks runs as FP8 products (runtime/fp8.py); "all" names the three.
 FP8_PARTS = ("attention", "feed_forward", "projections")
-# Parts taken only when named: the ResNet blocks' and samplers' convolutions as e4m3 products over
-# their patches (runtime/fp8.Fp8Conv2d), not yet measured on a GPU (bench/fp8_conv_micro.py,
-# the fp8-conv-fast variant of bench/fp8_probe.py).
-FP8_EXPERIMENTAL = ("convolutions",)
 
 
 def check_fp8_parts(parts, field: str) -> tuple[str, ...]:
-    """`parts` as a tuple, each one of FP8_PARTS or FP8_EXPERIMENTAL; otherwise a ValueError that
-    names `field`."""
+    """`parts` as a tuple, each one of FP8_PARTS; otherwise a ValueError that names `field`."""
     parts = tuple(parts)
-    unknown = sorted(set(parts) - set(FP8_PARTS + FP8_EXPERIMENTAL))
+    unknown = sorted(set(parts) - set(FP8_PARTS))
     if unknown:
-        raise ValueError(f"{field}: {unknown} not among {list(FP8_PARTS + FP8_EXPERIMENTAL)}")
+        raise ValueError(f"{field}: {unknown} not among {list(FP8_PARTS)}")
     return parts
 
 

@@ -1,4 +1,4 @@
-"""FP8 (e4m3) products for the UNet's transformer blocks and convolutions, with static, calibrated scales.
+"""FP8 (e4m3) matrix products for the UNet's transformer blocks, with static, calibrated scales.
 
 An approximate mode: the image moves away from the fp16 one, so it is opt-in and its PSNR against
 the exact path is measured (bench/fp8_probe.py), never assumed.
@@ -35,17 +35,15 @@ HEADROOM = 4.0
 
 
 def fits_e4m3(weight: torch.Tensor) -> bool:
-    """Whether an e4m3 product (torch._scaled_mm) takes a weight of this shape (a linear layer's
-    [out, in], or a convolution's [out, in, kh, kw] as [out, in * kh * kw])."""
-    return weight.shape[0] % 16 == 0 and weight[0].numel() % 16 == 0
+    """Whether an e4m3 product (torch._scaled_mm) takes a weight of this shape."""
+    return weight.shape[0] % 16 == 0 and weight.shape[1] % 16 == 0
 
 
-class _Fp8Product(nn.Module):
-    """An e4m3 product with per-tensor scales: the weight's from its own amax, the input's from the
-    amax seen while calibrating (times HEADROOM). A value past that range saturates (the cast to
-    e4m3fn itself does not: a value rounded past 448 would become NaN, hence the clamp).
-    `matrix(weight)`: the weight as the product's [out, in] matrix; `exact(x)`: the layer's
-    product without FP8, in x's dtype."""
+class Fp8Linear(nn.Module):
+    """y = x W^T + b as one e4m3 product with per-tensor scales: W's from its own amax, x's from
+    the amax seen while calibrating (times HEADROOM). A value past that range saturates (the cast
+    to e4m3fn itself does not: a value rounded past 448 would become NaN, hence the clamp).
+    `exact(x)`: the layer's product without FP8, in x's dtype."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None):
         super().__init__()
@@ -53,7 +51,7 @@ class _Fp8Product(nn.Module):
             raise ValueError(f"an FP8 product needs dimensions that are multiples of 16, not {tuple(weight.shape)}")
         self.weight = weight  # the fp16 weight (a Parameter or a view of a packed one): refit writes it
         self.bias = bias
-        self.register_buffer("w8", torch.empty((weight.shape[0], weight[0].numel()), dtype=E4M3, device=weight.device))
+        self.register_buffer("w8", torch.empty(weight.shape, dtype=E4M3, device=weight.device))
         self.register_buffer("w_scale", torch.ones((), dtype=torch.float32, device=weight.device))
         self.register_buffer("x_scale", torch.ones((), dtype=torch.float32, device=weight.device))
         # fp32: as an fp16 multiplier, 448 / (HEADROOM * amax) overflows for ranges under 0.0017.
@@ -65,14 +63,10 @@ class _Fp8Product(nn.Module):
         self.fast_accum = False
         self.requantize()
 
-    @staticmethod
-    def matrix(weight: torch.Tensor) -> torch.Tensor:
-        return weight
-
     @torch.no_grad()
     def requantize(self) -> None:
         """The e4m3 copy from the fp16 weight, in place."""
-        w = self.matrix(self.weight.detach()).float()
+        w = self.weight.detach().float()
         self.w_scale.copy_(w.abs().amax().clamp(min=1e-12) / E4M3_MAX)
         self.w8.copy_((w / self.w_scale).clamp(-E4M3_MAX, E4M3_MAX).to(E4M3))
 
@@ -97,10 +91,6 @@ class _Fp8Product(nn.Module):
         return torch._scaled_mm(x8, self.w8.t(), bias=self.bias, scale_a=self.x_scale, scale_b=self.w_scale,
                                 out_dtype=out_dtype, use_fast_accum=self.fast_accum)
 
-
-class Fp8Linear(_Fp8Product):
-    """y = x W^T + b as one e4m3 product."""
-
     def exact(self, x: torch.Tensor) -> torch.Tensor:
         return F.linear(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
 
@@ -115,74 +105,11 @@ class Fp8Linear(_Fp8Product):
         return f"in={self.weight.shape[1]}, out={self.weight.shape[0]}, bias={self.bias is not None}"
 
 
-def convertible(conv: nn.Conv2d) -> bool:
-    """Whether Fp8Conv2d computes this convolution (a plain one: its patches are a view)."""
-    return (conv.groups == 1 and conv.dilation == (1, 1) and conv.padding_mode == "zeros"
-            and not isinstance(conv.padding, str))
-
-
-class Fp8Conv2d(_Fp8Product):
-    """A 2-D convolution as one e4m3 product over the input's patches (im2col): the input padded
-    and cast to e4m3 (fused under compile into the kernel that wrote it), its kh x kw patches laid
-    out as rows of [kh, kw, in] (one byte each: the copy that costs what the product saves at
-    most), times the weight as an [out, kh * kw * in] matrix in the same order. In channels_last
-    the input's [n, h, w, c] view is contiguous and the product's [n * h * w, out] rows are the
-    output's own layout, so neither side is transposed; a 1x1 convolution needs no patches."""
-
-    def __init__(self, conv: nn.Conv2d):
-        if not convertible(conv):
-            raise ValueError(f"an FP8 convolution takes no groups, dilation, padding mode or named padding: {conv}")
-        super().__init__(conv.weight, conv.bias)
-        self.kernel_size, self.stride, self.padding = conv.kernel_size, conv.stride, conv.padding
-
-    @staticmethod
-    def matrix(weight: torch.Tensor) -> torch.Tensor:
-        return weight.permute(0, 2, 3, 1).reshape(weight.shape[0], -1)  # [out, kh, kw, in]
-
-    def exact(self, x: torch.Tensor) -> torch.Tensor:
-        return F.conv2d(x, self.weight.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype),
-                        self.stride, self.padding)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.calibrating:
-            self.note_range(x)
-            return self.exact(x)
-        (kh, kw), (sh, sw), (ph, pw) = self.kernel_size, self.stride, self.padding
-        n, c = x.shape[:2]
-        pixels = x.permute(0, 2, 3, 1)  # [n, h, w, c]
-        if ph or pw:
-            pixels = F.pad(pixels, (0, 0, pw, pw, ph, ph))
-        x8 = self.quantize(pixels)
-        patches = x8.unfold(1, kh, sh).unfold(2, kw, sw)  # [n, ho, wo, c, kh, kw]: a view
-        ho, wo = patches.shape[1:3]
-        rows = patches.permute(0, 1, 2, 4, 5, 3).reshape(n * ho * wo, kh * kw * c)
-        y = self.product(rows, x.dtype)
-        return y.view(n, ho, wo, -1).permute(0, 3, 1, 2)
-
-    def extra_repr(self) -> str:
-        out, cin, kh, kw = self.weight.shape
-        return f"in={cin}, out={out}, kernel={(kh, kw)}, stride={self.stride}, padding={self.padding}"
-
-
-def convolution_slots(unet: nn.Module):
-    """(owner, attribute) of every convolution the part `convolutions` covers: the ResNet blocks',
-    the downsamplers' and the upsamplers' (not the UNet's first and last, on 4 channels)."""
-    from diffusers.models.resnet import Downsample2D, ResnetBlock2D, Upsample2D
-
-    for module in list(unet.modules()):  # (a caller may swap children as it goes)
-        if isinstance(module, ResnetBlock2D):
-            yield from ((module, name) for name in ("conv1", "conv2", "conv_shortcut"))
-        elif isinstance(module, (Downsample2D, Upsample2D)):
-            yield module, "conv"
-
-
-def use_fp8(unet: nn.Module, parts: tuple[str, ...] = FP8_PARTS) -> list[_Fp8Product]:
-    """Swap the UNet's products for e4m3 ones, in place; returns them (to calibrate and
-    requantize). `parts`: in the transformer blocks, the attention's input projections
-    (self-attention's packed QKV included; cross-attention's text K/V are computed once per request
-    and stay fp16), the feed-forward's two products, the Transformer2D blocks' proj_in/proj_out;
-    and the convolutions of the ResNet blocks, downsamplers and upsamplers (not the UNet's first
-    and last, whose 4 channels no e4m3 product takes).
+def use_fp8(unet: nn.Module, parts: tuple[str, ...] = FP8_PARTS) -> list[Fp8Linear]:
+    """Swap the transformer blocks' linear layers for Fp8Linear, in place; returns them (to
+    calibrate and requantize). `parts`: the attention's input projections (self-attention's packed
+    QKV included; cross-attention's text K/V are computed once per request and stay fp16), the
+    feed-forward's two products, the Transformer2D blocks' proj_in/proj_out.
 
     Attention's output projections stay fp16: their input comes straight from the attention
     kernel, so in e4m3 each needed a cast kernel of its own (140 a step, 0.55 ms), and theirs were
@@ -195,8 +122,8 @@ def use_fp8(unet: nn.Module, parts: tuple[str, ...] = FP8_PARTS) -> list[_Fp8Pro
     from backends.core.runtime.packed_attention import PackedCrossAttnProcessor, PackedSelfAttnProcessor
 
     parts = check_fp8_parts(parts, "fp8 parts")
-    swapped: list[_Fp8Product] = []
-    kept = 0  # layers of a shape no e4m3 product takes
+    swapped: list[Fp8Linear] = []
+    kept = 0  # linear layers of a shape no e4m3 product takes
 
     def fits(weight: torch.Tensor) -> bool:
         nonlocal kept
@@ -205,18 +132,11 @@ def use_fp8(unet: nn.Module, parts: tuple[str, ...] = FP8_PARTS) -> list[_Fp8Pro
 
     def swap(owner: nn.Module, attr: str) -> None:
         # getattr/setattr by name also reach a ModuleList's or Sequential's items ("0", "2").
-        layer = getattr(owner, attr, None)
-        if type(layer) is nn.Linear and fits(layer.weight):
-            setattr(owner, attr, Fp8Linear(layer.weight, layer.bias))
-        elif type(layer) is nn.Conv2d and convertible(layer) and fits(layer.weight):
-            setattr(owner, attr, Fp8Conv2d(layer))
-        else:
-            return
-        swapped.append(getattr(owner, attr))
+        linear = getattr(owner, attr)
+        if type(linear) is nn.Linear and fits(linear.weight):
+            setattr(owner, attr, Fp8Linear(linear.weight, linear.bias))
+            swapped.append(getattr(owner, attr))
 
-    if "convolutions" in parts:
-        for owner, name in list(convolution_slots(unet)):
-            swap(owner, name)
     for module in list(unet.modules()):  # (the walk swaps children as it goes)
         if isinstance(module, Transformer2DModel) and "projections" in parts:
             swap(module, "proj_in")
@@ -242,13 +162,13 @@ def use_fp8(unet: nn.Module, parts: tuple[str, ...] = FP8_PARTS) -> list[_Fp8Pro
         if "feed_forward" in parts:
             swap(module.ff.net[0], "proj")
             swap(module.ff.net, "2")
-    log.info("FP8 products: %d layers (%d convolutions; %s); %d kept in their dtype (a dimension not a multiple of 16)",
-             len(swapped), sum(isinstance(m, Fp8Conv2d) for m in swapped), ", ".join(parts), kept)
+    log.info("FP8 products: %d linear layers (%s); %d kept in their dtype (a dimension not a multiple of 16)",
+             len(swapped), ", ".join(parts), kept)
     return swapped
 
 
 @contextlib.contextmanager
-def calibrating(layers: list[_Fp8Product]):
+def calibrating(layers: list[Fp8Linear]):
     """Run the exact fp16 products while noting each layer's input range; on exit, each layer's
     input scale is set from the largest value it saw."""
     for layer in layers:
@@ -299,7 +219,7 @@ def write_calibration(pipe, path, size: int) -> None:
 
 
 @torch.no_grad()
-def calibrate_from_file(layers: list[_Fp8Product], unet: nn.Module, encoder, decoder, path) -> None:
+def calibrate_from_file(layers: list[Fp8Linear], unet: nn.Module, encoder, decoder, path) -> None:
     """Set the layers' input scales from the exact (fp16) halves run on the calibration file's
     text, at CALIBRATION_TIMESTEPS, on unit-variance latents (what a sampler hands the UNet after
     scaling: noise early, a clean latent late)."""
