@@ -26,13 +26,13 @@ from concurrent.futures import ThreadPoolExecutor
 import numpy as np
 from isal import isal_zlib
 
-# Raw bytes a strip holds, about; one task per strip. On the H200 host (16 cores; a 1024x1024
-# random-weight image, 3 MiB raw, bench/vae_micro.py), with zlib: 256 KiB strips on 8 threads
-# 26.5-32 ms, 64 KiB strips on 16 threads 18.3 ms, and 4 KiB fewer bytes out of 2.6 MiB. With
-# ISA-L on the dev CPU's 2 cores (the photo-like image): 16 KiB 12.9 ms, 64 KiB 7.2, 256 KiB 6.3,
-# 1 MiB 8.3; not yet measured on the host.
-STRIP_BYTES = 64 * 1024
-MAX_THREADS = 16
+# Raw bytes a strip holds, about; one task per strip. With ISA-L on the H200 host (16 cores; a
+# 1024x1024 random-weight image, 3 MiB raw, 2.5 MiB out; bench/vae_micro.py, in one process):
+# 256 KiB strips 4.9 / 3.7 / 3.5 / 4.0 ms on 2 / 4 / 8 / 16 threads, 64 KiB 6.8 / 5.5 / 6.5 / 8.8,
+# 16 KiB 18-28: ISA-L deflates a strip so fast that smaller tasks cost more to hand out than they
+# save. (With zlib it was the other way: 64 KiB on 16 threads, 18.3 ms.)
+STRIP_BYTES = 256 * 1024
+MAX_THREADS = 8
 LEVELS = range(isal_zlib.ISAL_BEST_SPEED, isal_zlib.ISAL_BEST_COMPRESSION + 1)
 _UP = 2  # PNG filter type
 _ADLER_BASE = 65521
