@@ -145,7 +145,8 @@ def main() -> None:
                     log.warning("py-spy: %s", err.decode(errors="replace").strip()[-500:])
     stages = {stage: statistics.median(i["stages_s"][stage] for i in infos) for stage in infos[0]["stages_s"]}
     median = {"client_s": statistics.median(latencies), "total_s": statistics.median(i["total_s"] for i in infos),
-              "denoiser_queue_s": statistics.median(i["queue_s"] for i in infos), "stages_s": stages,
+              "denoiser_queue_s": statistics.median(i["queue_s"] for i in infos),
+              "denoiser_admit_s": statistics.median(i.get("admit_s") or 0.0 for i in infos), "stages_s": stages,
               "between_models_s": statistics.median(
                   i["total_s"] - i["queue_s"] - sum(i["stages_s"].values()) for i in infos)}
     for name in STAGES:
@@ -154,7 +155,8 @@ def main() -> None:
             log.info("%-13s queue %.4f s, compute %.4f s (input %.4f, infer %.4f, output %.4f) a request (Triton's "
                      "count)", name, row["queue_s"], row["compute_s"], row["compute_input_s"], row["compute_infer_s"],
                      row["compute_output_s"])
-    log.info("their own accounts: denoiser queue %.4f s, %s", median["denoiser_queue_s"],
+    log.info("their own accounts: denoiser queue %.4f s (admission %.4f), %s", median["denoiser_queue_s"],
+             median["denoiser_admit_s"],
              ", ".join(f"{stage} {seconds:.4f}" for stage, seconds in stages.items()))
     log.info("server total %.4f s, of which between the models %.4f s; client %.4f s", median["total_s"],
              median["between_models_s"], median["client_s"])

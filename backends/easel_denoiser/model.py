@@ -224,7 +224,7 @@ class TritonPythonModel:
                     text = np.array([public_message(message).encode()], dtype=np.object_)
                     sender.send(pb_utils.InferenceResponse([pb_utils.Tensor("error", text)]), flags=FINAL)
                 continue
-            params = params.with_trace(queue_s=result.queue_s, denoise_s=result.denoise_s,
+            params = params.with_trace(queue_s=result.queue_s, admit_s=result.admit_s, denoise_s=result.denoise_s,
                                        max_batch=result.max_batch, denoiser=self.name, lora_step=result.lora_step,
                                        lora_wait_s=result.lora_wait_s)
             sender.send(pb_utils.InferenceResponse([

@@ -30,7 +30,8 @@ def info_of(params) -> dict:
             "width": params.width, "height": params.height, "guidance_scale": params.guidance_scale,
             "output_format": params.output_format,
             "quality": DEFAULT_QUALITY.get(params.output_format) if params.quality is None else params.quality,
-            "queue_s": trace.pop("queue_s", None), "max_batch": trace.pop("max_batch", None),
+            "queue_s": trace.pop("queue_s", None), "admit_s": trace.pop("admit_s", None),
+            "max_batch": trace.pop("max_batch", None),
             "denoiser": trace.pop("denoiser", None), "lora_merged_at_step": trace.pop("lora_step", None),
             "lora_wait_s": trace.pop("lora_wait_s", None), "stages_s": trace}
     if received is not None:

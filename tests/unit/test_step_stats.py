@@ -61,6 +61,9 @@ def test_the_loop_records_every_step_its_rows_and_each_first_step(engines):
     for ttfs, result in zip(records[0].first_step_s + records[3].first_step_s, [r0, r1, r2]):
         # After its first step was planned, before its last step ended.
         assert result.queue_s < ttfs < result.queue_s + result.denoise_s
+        # Its preparation (start) is part of its queue; r2's queue also holds its wait for a place.
+        assert 0 < result.admit_s <= result.queue_s
+    assert r2.queue_s > r2.admit_s + r0.denoise_s / 2
 
 
 def test_a_step_that_raises_leaves_no_record(engines, monkeypatch):

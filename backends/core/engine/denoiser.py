@@ -115,6 +115,7 @@ class RequestState:
     # The vectorized sampler (engine/samplers.py); None: diffusers' own scheduler steps this request.
     plan: SamplerPlan | None = None
     serial: int = field(default_factory=_SERIALS.__next__)  # names its text rows (StepBatch.text_key)
+    admit_s: float = 0.0  # start()'s time: its sampler, noise and copies to the device
 
     @property
     def rows(self) -> int:

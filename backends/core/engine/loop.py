@@ -46,6 +46,7 @@ class DenoiseResult:
     # adapter the store does not hold, or no longer), "cancelled" (by the client, at a step
     # boundary), "failed" (the server's fault, or a shutdown).
     kind: str | None = None
+    admit_s: float = 0.0  # of queue_s: preparing it to run (TorchDenoiser.start)
 
     @property
     def outcome(self) -> str:
@@ -189,7 +190,9 @@ class DenoiseLoop:
 
     def _admit(self, job: DenoiseJob) -> None:
         try:
+            started = time.monotonic()
             state = self.engine.start(job)
+            state.admit_s = time.monotonic() - started
             seq = SeqState(request_id=job.request_id, steps=len(state.timesteps),
                            shape=tuple(state.latents.shape[-2:]), rows=state.rows, arrival=job.arrival)
             self.scheduler.add(seq)
@@ -250,4 +253,5 @@ class DenoiseLoop:
         first = seq.first_step_at if seq.first_step_at is not None else now
         self.on_done(DenoiseResult(seq.request_id, latents, seq.error, first - seq.arrival, now - first,
                                    seq.steps_done, state.max_batch, state.lora_step, seq.waited_at_bound,
-                                   seq.bound_wait_s, kind=kind if seq.status is not Status.FINISHED else None))
+                                   seq.bound_wait_s, kind=kind if seq.status is not Status.FINISHED else None,
+                                   admit_s=state.admit_s))
