@@ -14,9 +14,9 @@ enqueue) only, hence its own account.
 
 Triton's compute splits into copying the inputs in, the stub's infer (the adapter's Python and
 the stub's message round trip; the model's own stage is inside it) and copying the outputs out.
-`--py-spy` also samples the stubs (py-spy's raw folded stacks, idle frames included, one file per
-stub beside --out) while the timed requests run: where the adapters' time outside their stages
-goes. `--repo` traces an existing repository (e.g. `easel bench`'s, whose compile cache is warm).
+`--py-spy` also samples every stub while the timed requests run (py-spy's folded stacks, idle
+frames included, in one file beside --out, each stack under its stub's `<model>.<pid>` as its root
+frame): where the adapters' time outside their stages goes. `--repo` traces an existing repository (e.g. `easel bench`'s, whose compile cache is warm).
 
     python3 -m bench.pipeline_trace --work /tmp/easel-trace --out $OUT/pipeline_trace.json [--runtime graphs]
     python3 -m bench.pipeline_trace --work /tmp/easel-trace --out /tmp/t.json --cpu --steps 4  # the tiny model
@@ -78,16 +78,34 @@ def stub_pids() -> list[tuple[str, int]]:
     return sorted(found)
 
 
-def start_sampling(py_spy: str, out: Path, seconds: float) -> list[subprocess.Popen]:
-    """py-spy on every stub for `seconds`: `<out stem>.<model>.<pid>.txt`, raw folded stacks."""
-    procs = []
+def start_sampling(py_spy: str, out: Path, seconds: float) -> list[tuple[str, Path, subprocess.Popen]]:
+    """py-spy on every stub for `seconds`, each into `<out stem>.<model>.<pid>.txt` (raw folded
+    stacks) until join_samples gathers them."""
+    runs = []
     for model, pid in stub_pids():
         target = out.with_name(f"{out.stem}.{model}.{pid}.txt")
-        procs.append(subprocess.Popen([py_spy, "record", "--pid", str(pid), "--duration", str(int(seconds) + 1),
-                                       "--rate", "250", "--idle", "--format", "raw", "--nonblocking",
-                                       "--output", str(target)], stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+        runs.append((f"{model}.{pid}", target, subprocess.Popen(
+            [py_spy, "record", "--pid", str(pid), "--duration", str(int(seconds) + 1), "--rate", "250", "--idle",
+             "--format", "raw", "--nonblocking", "--output", str(target)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
     time.sleep(1.0)  # attached before the first timed request
-    return procs
+    return runs
+
+
+def join_samples(runs: list[tuple[str, Path, subprocess.Popen]], out: Path) -> None:
+    """Waits for the samplers (py-spy writes its file when its duration ends), then puts every
+    stub's stacks into `<out stem>.py-spy.txt` under its stub as the root frame."""
+    lines = []
+    for stub, target, proc in runs:
+        _, err = proc.communicate()
+        if proc.returncode or not target.exists():
+            log.warning("py-spy on %s: %s", stub, err.decode(errors="replace").strip()[-500:])
+            continue
+        lines += [f"{stub};{line}" for line in target.read_text().splitlines() if line.strip()]
+        target.unlink()
+    joined = out.with_name(f"{out.stem}.py-spy.txt")
+    joined.write_text("\n".join(lines) + "\n")
+    log.info("wrote %s", joined)
 
 
 def main() -> None:
@@ -139,14 +157,12 @@ def main() -> None:
                 latencies.append(time.perf_counter() - start)
                 infos.append(result.info)
             models = per_request(before, model_totals(stats))
-            for proc in samplers:  # (py-spy writes its file when its duration ends)
-                _, err = proc.communicate()
-                if proc.returncode:
-                    log.warning("py-spy: %s", err.decode(errors="replace").strip()[-500:])
+            if samplers:
+                join_samples(samplers, args.out)
     stages = {stage: statistics.median(i["stages_s"][stage] for i in infos) for stage in infos[0]["stages_s"]}
     median = {"client_s": statistics.median(latencies), "total_s": statistics.median(i["total_s"] for i in infos),
               "denoiser_queue_s": statistics.median(i["queue_s"] for i in infos),
-              "denoiser_admit_s": statistics.median(i.get("admit_s") or 0.0 for i in infos), "stages_s": stages,
+              "denoiser_admit_s": statistics.median(i["admit_s"] for i in infos), "stages_s": stages,
               "between_models_s": statistics.median(
                   i["total_s"] - i["queue_s"] - sum(i["stages_s"].values()) for i in infos)}
     for name in STAGES:
