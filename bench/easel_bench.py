@@ -332,10 +332,10 @@ def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> No
                          result.info.get("stages_s", {}).get("denoise_s", float("nan")))
         # The server's own total (preprocess in to postprocess out) and the denoiser's queue beside the
         # stages: the client's time less server_total_s is gRPC and the public model's entry and exit.
-        stages = [{**(i.get("stages_s") or {}),
-                   **{k: v for k, v in (("queue_s", i.get("queue_s")), ("admit_s", i.get("admit_s")),
-                                        ("server_total_s", i.get("total_s"))) if v is not None}}
-                  for i in rec["infos"]]
+        stages = []
+        for i in rec["infos"]:
+            beside = {"queue_s": i.get("queue_s"), "admit_s": i.get("admit_s"), "server_total_s": i.get("total_s")}
+            stages.append({**(i.get("stages_s") or {}), **{k: v for k, v in beside.items() if v is not None}})
         rec["stages_median_s"] = {k: float(np.median([s[k] for s in stages if k in s]))
                                   for k in sorted({k for s in stages for k in s})}
         rec["metrics"]["after_latency"] = metrics_snapshot(server.metrics_port)

@@ -161,7 +161,7 @@ def main() -> None:
         if runtime.fp8_layers:
             layers = runtime.fp8_layers
             entry.update(fp8_linears=len(layers), input_amax={"min": min(float(x.x_amax) for x in layers),
-                                                              "max": max(float(x.x_amax) for x in layers)})
+                                                             "max": max(float(x.x_amax) for x in layers)})
         template = template_batch(eager.weights_module, dev, torch.float16)
         start = time.perf_counter()
         runtime.warmup(template, [(latent, latent)])

@@ -24,9 +24,9 @@ def _fp8_parts(text: str) -> tuple[str, ...]:
 
     named = [v.strip() for v in text.split(",") if v.strip()]
     parts = tuple(dict.fromkeys(p for v in named for p in (FP8_PARTS if v == "all" else (v,))))
+    if not parts:
+        raise argparse.ArgumentTypeError(f"--fp8: {text!r} names no part of {','.join(FP8_PARTS)} or all")
     try:
-        if not parts:
-            raise ValueError(f"--fp8: {text!r} names no part")
         return check_fp8_parts(parts, "--fp8")
     except ValueError as exc:
         raise argparse.ArgumentTypeError(f"{exc}, or all (= {','.join(FP8_PARTS)})") from None
