@@ -39,7 +39,16 @@ CATEGORIES = (
 
 # Variant options that set one of inductor's knobs (before its compile, back to the default after).
 INDUCTOR_OPTIONS = {"aggr": "aggressive_fusion", "combo": "combo_kernels", "mm1x1": "conv_1x1_as_mm",
-                    "cdt": "coordinate_descent_tuning", "mmtune": "max_autotune_gemm"}
+                    "cdt": "coordinate_descent_tuning", "mmtune": "max_autotune_gemm",
+                    "pdl": "triton.enable_pdl"}
+
+
+def _knob(config, dotted: str):
+    """The object that holds an inductor knob (`triton.enable_pdl` lives in `config.triton`) and its name."""
+    *parents, name = dotted.split(".")
+    for parent in parents:
+        config = getattr(config, parent)
+    return config, name
 
 
 def category(kernel: str) -> str:
@@ -116,7 +125,7 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=2)
     p.add_argument("--kinds", default="graphs+fused,compiled",
                    help="eager, graphs or compiled, each optionally +cl (channels_last), +fused, +cudnn (attention), "
-                        "+unpacked (no packed attention projections), +bench (cudnn.benchmark: convolution algorithms "
+                        "+unpacked (no packed attention projections), +lt (cuBLASLt), +bench (cudnn.benchmark: convolution algorithms "
                         "timed, not guessed), +fp8 (RuntimeConfig.fp8: every part), and for compiled inductor's "
                         + ", ".join(f"+{k} ({v})" for k, v in INDUCTOR_OPTIONS.items()))
     p.add_argument("--iters", type=int, default=10)
@@ -153,9 +162,12 @@ def main() -> None:
         # later variant replays the first one's kernels whatever its inductor knobs say.
         torch._dynamo.reset()
 
-        knobs = {INDUCTOR_OPTIONS[o]: getattr(inductor, INDUCTOR_OPTIONS[o]) for o in options if o in INDUCTOR_OPTIONS}
+        knobs = {INDUCTOR_OPTIONS[o]: getattr(*_knob(inductor, INDUCTOR_OPTIONS[o]))
+                 for o in options if o in INDUCTOR_OPTIONS}
         for knob in knobs:
-            setattr(inductor, knob, True)
+            setattr(*_knob(inductor, knob), True)
+        # +lt: cuBLASLt instead of cuBLAS for the products outside inductor's kernels.
+        torch.backends.cuda.preferred_blas_library("cublaslt" if "lt" in options else "cublas")
         eager = EagerUNetRuntime(*load_unet_halves(folder, where))
         template = template_batch(eager.weights_module, torch.device("cuda:0"), torch.float16)
         batch = _resized(template, args.rows, latent, latent)
@@ -201,7 +213,7 @@ def main() -> None:
         for k, ms in kernels[:12]:
             log.info("    %.3f ms  %s", ms, k)
         for knob, default in knobs.items():
-            setattr(inductor, knob, default)
+            setattr(*_knob(inductor, knob), default)
         del runtime, eager, enc_fn, dec_fn
         torch.cuda.empty_cache()
         args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -3,6 +3,7 @@ diffusers UNet or VAE.
 
     import plugins
     y = plugins.group_norm_silu(x, weight, bias, num_groups, eps)  # torch.ops.easel.group_norm_silu
+    y = plugins.bias_residual(h, conv_bias, residual, scale)        # torch.ops.easel.bias_residual
     y = plugins.geglu(projected)                                     # torch.ops.easel.geglu
     counts = plugins.use_fused_kernels(unet)                         # in place
 
@@ -12,9 +13,9 @@ first CUDA call and diffusers on first use of `use_fused_kernels`.
 
 from __future__ import annotations
 
-from plugins.ops import geglu, group_norm_silu
+from plugins.ops import bias_residual, geglu, group_norm_silu
 
-__all__ = ["geglu", "group_norm_silu", "use_fused_kernels"]
+__all__ = ["bias_residual", "geglu", "group_norm_silu", "use_fused_kernels"]
 
 
 def __getattr__(name: str):

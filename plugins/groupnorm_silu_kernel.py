@@ -1,4 +1,5 @@
-"""silu(group_norm(x)) in Triton's kernel language: two launches, no intermediate tensor.
+"""silu(group_norm(x)) in Triton's kernel language: two launches, no intermediate tensor. This
+module holds the NCHW kernels; channels_last inputs go to groupnorm_silu_nhwc_kernel.
 
 SDXL has few (sample, group) pairs (2 x 32 = 64) but large groups (up to 2^24 elements in the
 VAE decoder), so one program per group would leave most SMs idle and hold a whole group in
@@ -13,6 +14,9 @@ registers. Instead:
 Both passes work on x minus the group's first element: where |mean| >> std, an fp32 running
 mean near the true one would carry rounding errors of ulp(mean), large against std.
 
+With `pre_bias` the norm is of x + pre_bias[c] (a convolution's bias, left out of the convolution
+so that it costs no pass of its own), rounded to x's dtype as the materialized sum would be.
+
 Traffic: x read twice, y written once (torch's unfused path also writes and re-reads the
 GroupNorm output). Importing this module needs `triton`; plugins.ops imports it lazily.
 """
@@ -26,6 +30,8 @@ import math
 import torch
 import triton
 import triton.language as tl
+
+from plugins.ops import layout_of
 
 _STATS_BLOCK = 2048  # elements per loop step of the stats pass (8 warps x 8 lanes' worth)
 _APPLY_BLOCK = 2048
@@ -42,12 +48,15 @@ def _welford_combine(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
 
 
 @triton.jit
-def _partial_stats(x_ptr, mean_ptr, m2_ptr, count_ptr, group_numel, chunk, splits,
-                   BLOCK: tl.constexpr):
+def _partial_stats(x_ptr, pre_bias_ptr, mean_ptr, m2_ptr, count_ptr, group_numel, chunk, splits,
+                   C, HW, channels_per_group, G, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     group = tl.program_id(0)
     split = tl.program_id(1)
     base = x_ptr + group.to(tl.int64) * group_numel
+    c0 = (group % G) * channels_per_group  # the group's first channel
     shift = tl.load(base).to(tl.float32)
+    if HAS_BIAS:
+        shift += tl.load(pre_bias_ptr + c0).to(tl.float32)
     start = split * chunk
     end = tl.minimum(start + chunk, group_numel)
     n_full = (end - start) // BLOCK
@@ -57,7 +66,11 @@ def _partial_stats(x_ptr, mean_ptr, m2_ptr, count_ptr, group_numel, chunk, split
     m2 = tl.zeros([BLOCK], dtype=tl.float32)
     # Full tiles: every lane has seen the same count, so one scalar reciprocal per step.
     for t in range(n_full):
-        v = tl.load(base + start + t * BLOCK + lanes).to(tl.float32) - shift
+        offs = start + t * BLOCK + lanes
+        v = tl.load(base + offs).to(tl.float32)
+        if HAS_BIAS:  # rounded to x's dtype, as torch's materialized x + bias would be
+            v = (v + tl.load(pre_bias_ptr + c0 + offs // HW).to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        v -= shift
         delta = v - mean
         mean += delta * (1.0 / (t + 1.0))
         m2 += delta * (v - mean)
@@ -65,7 +78,11 @@ def _partial_stats(x_ptr, mean_ptr, m2_ptr, count_ptr, group_numel, chunk, split
     # Tail tile: only some lanes get one more element.
     offs = start + n_full * BLOCK + lanes
     live = offs < end
-    v = tl.load(base + offs, mask=live, other=0.0).to(tl.float32) - shift
+    v = tl.load(base + offs, mask=live, other=0.0).to(tl.float32)
+    if HAS_BIAS:
+        v = (v + tl.load(pre_bias_ptr + c0 + offs // HW, mask=live, other=0.0).to(tl.float32)
+             ).to(x_ptr.dtype.element_ty).to(tl.float32)
+    v -= shift
     count_new = count + live.to(tl.float32)
     delta = v - mean
     mean = tl.where(live, mean + delta / tl.maximum(count_new, 1.0), mean)
@@ -79,9 +96,9 @@ def _partial_stats(x_ptr, mean_ptr, m2_ptr, count_ptr, group_numel, chunk, split
 
 
 @triton.jit
-def _apply(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, m2_ptr, count_ptr,
+def _apply(x_ptr, pre_bias_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, m2_ptr, count_ptr,
            C, HW, channels_per_group, G, group_numel, splits, tiles_per_program, eps,
-           BLOCK_S: tl.constexpr, BLOCK: tl.constexpr):
+           HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr):
     row = tl.program_id(0)  # n * C + c
     n = row // C
     c = row % C
@@ -95,7 +112,11 @@ def _apply(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, m2_ptr, count_ptr,
          tl.load(m2_ptr + part, mask=live, other=0.0),
          tl.load(count_ptr + part, mask=live, other=0.0)),
         0, _welford_combine)
-    mean += tl.load(x_ptr + group.to(tl.int64) * group_numel).to(tl.float32)  # the stats pass's shift
+    first = tl.load(x_ptr + group.to(tl.int64) * group_numel).to(tl.float32)  # the stats pass's shift
+    if HAS_BIAS:
+        first += tl.load(pre_bias_ptr + (c // channels_per_group) * channels_per_group).to(tl.float32)
+        x_bias = tl.load(pre_bias_ptr + c).to(tl.float32)
+    mean += first
     rstd = tl.rsqrt(m2 / count + eps)  # biased variance, as torch's GroupNorm
     scale = tl.load(w_ptr + c).to(tl.float32) * rstd
     shift = tl.load(b_ptr + c).to(tl.float32)
@@ -106,24 +127,28 @@ def _apply(x_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, m2_ptr, count_ptr,
         offs = t * BLOCK + tl.arange(0, BLOCK)
         m = offs < HW
         v = tl.load(x_ptr + base + offs, mask=m, other=0.0).to(tl.float32)
+        if HAS_BIAS:
+            v = (v + x_bias).to(x_ptr.dtype.element_ty).to(tl.float32)
         y = (v - mean) * scale + shift
         y = y * tl.sigmoid(y)
         tl.store(y_ptr + base + offs, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
 @functools.lru_cache(maxsize=None)
-def _num_sms(device: torch.device) -> int:
+def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
         return 4  # the interpreter (TRITON_INTERPRET=1) on CPU: any small number
     return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def group_norm_silu_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
-                           num_groups: int, eps: float) -> torch.Tensor:
-    """The Triton path of easel::group_norm_silu. Returns a contiguous (NCHW) tensor.
+                           num_groups: int, eps: float, pre_bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The Triton path of easel::group_norm_silu: y in x's layout, NCHW or channels_last (NHWC,
+    plugins.groupnorm_silu_nhwc_kernel); any other layout is copied to NCHW first."""
+    if layout_of(x) == torch.channels_last:
+        from plugins.groupnorm_silu_nhwc_kernel import group_norm_silu_nhwc
 
-    A channels_last (or otherwise strided) input is copied to NCHW first: correct, not fast.
-    """
+        return group_norm_silu_nhwc(x, weight, bias, num_groups, eps, pre_bias)
     N, C = x.shape[0], x.shape[1]
     HW = math.prod(x.shape[2:])
     x = x.contiguous()
@@ -134,7 +159,7 @@ def group_norm_silu_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     group_numel = (C // num_groups) * HW
     if group_numel >= 2**30:  # offsets inside a group are int32 (whole-tensor ones are int64)
         raise ValueError(f"group_norm_silu: groups of {group_numel} elements are over the kernel's 2^30")
-    sms = _num_sms(x.device)
+    sms = num_sms(x.device)
 
     # Stats: aim for ~8 resident programs per SM, each at least a few tiles long.
     block = min(_STATS_BLOCK, triton.next_power_of_2(group_numel))
@@ -150,14 +175,17 @@ def group_norm_silu_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     apply_block = min(_APPLY_BLOCK, triton.next_power_of_2(HW))
     tiles = triton.cdiv(HW, apply_block)
     per_program = max(1, min(8, tiles, (N * C * tiles) // (8 * sms)))
+    has_bias = pre_bias is not None
+    pre_bias = pre_bias.contiguous() if has_bias else weight  # any pointer: unread without HAS_BIAS
 
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _partial_stats[(groups, splits)](
-            x, partials[0], partials[1], partials[2], group_numel, chunk, splits,
-            BLOCK=block, num_warps=8 if block >= 2048 else 4)
+            x, pre_bias, partials[0], partials[1], partials[2], group_numel, chunk, splits,
+            C, HW, C // num_groups, num_groups,
+            HAS_BIAS=has_bias, BLOCK=block, num_warps=8 if block >= 2048 else 4)
         _apply[(N * C, triton.cdiv(tiles, per_program))](
-            x, y, weight, bias, partials[0], partials[1], partials[2],
+            x, pre_bias, y, weight, bias, partials[0], partials[1], partials[2],
             C, HW, C // num_groups, num_groups, group_numel, splits, per_program, eps,
-            BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK=apply_block,
+            HAS_BIAS=has_bias, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK=apply_block,
             num_warps=8 if apply_block >= 2048 else 4)
     return y

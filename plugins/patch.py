@@ -35,13 +35,24 @@ _SCALE_DEPRECATION = (
 _NORM_OUT_OWNERS = (UNet2DConditionModel, Encoder, Decoder)
 
 
-def _gn_silu(norm: nn.GroupNorm, x: torch.Tensor) -> torch.Tensor:
-    return ops.group_norm_silu(x, norm.weight, norm.bias, norm.num_groups, norm.eps)
+def _gn_silu(norm: nn.GroupNorm, x: torch.Tensor, pre_bias: torch.Tensor | None = None) -> torch.Tensor:
+    return ops.group_norm_silu(x, norm.weight, norm.bias, norm.num_groups, norm.eps, pre_bias)
+
+
+def _bias_left_out(conv: nn.Module, x: torch.Tensor) -> bool:
+    """Whether `conv` may run on x without its bias, the bias then added by the op that reads its
+    output: a plain Conv2d with a bias and no hooks (unmerged LoRA terms are forward hooks), on CUDA,
+    where torch adds a convolution's bias in a pass of its own anyway, so the sums are the same.
+    (On CPU oneDNN adds it inside the convolution: the outputs would differ in the last bits.)"""
+    return (x.is_cuda and _plain(conv, nn.Conv2d) and conv.bias is not None
+            and not conv._forward_hooks and not conv._forward_pre_hooks)
 
 
 class FusedResnetBlock2D(ResnetBlock2D):
     """ResnetBlock2D (affine GroupNorms, SiLU, any time_embedding_norm but "scale_shift") with
-    norm1+SiLU and norm2+SiLU each one op; `self.nonlinearity` still applies to temb."""
+    norm1+SiLU and norm2+SiLU each one op; `self.nonlinearity` still applies to temb. Without a
+    temb (the VAE's blocks) conv1's bias is added inside norm2's op; conv2's always is, with the
+    residual and the output scale, in easel::bias_residual: torch would add each in a pass of its own."""
 
     def forward(self, input_tensor: torch.Tensor, temb: torch.Tensor, *args, **kwargs) -> torch.Tensor:
         if len(args) > 0 or kwargs.get("scale", None) is not None:
@@ -62,7 +73,12 @@ class FusedResnetBlock2D(ResnetBlock2D):
             input_tensor = self.downsample(input_tensor)
             hidden_states = self.downsample(hidden_states)
 
-        hidden_states = self.conv1(hidden_states)
+        conv1_bias = None
+        if temb is None and _bias_left_out(self.conv1, hidden_states):
+            hidden_states = self.conv1._conv_forward(hidden_states, self.conv1.weight, None)
+            conv1_bias = self.conv1.bias
+        else:
+            hidden_states = self.conv1(hidden_states)
 
         if self.time_emb_proj is not None:
             if not self.skip_time_act:
@@ -73,16 +89,22 @@ class FusedResnetBlock2D(ResnetBlock2D):
         # adds temb; any other value (the VAE decoder's "group") is diffusers' plain-norm2 branch.
         if self.time_embedding_norm == "default" and temb is not None:
             hidden_states = hidden_states + temb
-        hidden_states = _gn_silu(self.norm2, hidden_states)
+        hidden_states = _gn_silu(self.norm2, hidden_states, conv1_bias)
 
         hidden_states = self.dropout(hidden_states)
-        hidden_states = self.conv2(hidden_states)
+        conv2_bias_left_out = _bias_left_out(self.conv2, hidden_states)
+        if conv2_bias_left_out:
+            hidden_states = self.conv2._conv_forward(hidden_states, self.conv2.weight, None)
+        else:
+            hidden_states = self.conv2(hidden_states)
 
         if self.conv_shortcut is not None:
             if self.training:
                 input_tensor = input_tensor.contiguous()
             input_tensor = self.conv_shortcut(input_tensor)
 
+        if conv2_bias_left_out:
+            return ops.bias_residual(hidden_states, self.conv2.bias, input_tensor, self.output_scale_factor)
         output_tensor = (input_tensor + hidden_states) / self.output_scale_factor
 
         return output_tensor

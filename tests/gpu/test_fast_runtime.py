@@ -319,7 +319,7 @@ def test_vae_graphs_equal_eager(repo):
     eager = LatentDecoder(folder, Placement("cuda:0", "fp16"))
     latents = np.random.default_rng(0).standard_normal((1, 4, 8, 8)).astype(np.float32)
     want = eager.decode(latents)
-    for options in ({}, {"channels_last": True}, {"fused_kernels": True}):
+    for options in ({}, {"channels_last": True}, {"fused_kernels": True}, {"fused_kernels": True, "channels_last": True}):
         fast = LatentDecoder(folder, Placement("cuda:0", "fp16"), graphs=True, **options)
         for _ in range(2):
             got = fast.decode(latents)

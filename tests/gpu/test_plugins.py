@@ -41,8 +41,8 @@ def _gn_inputs(shape, dtype, seed=0):
     return x, w, b
 
 
-def _check(out, unfused, golden, dtype):
-    assert out.dtype == dtype and out.shape == unfused.shape and out.is_contiguous()
+def _check(out, unfused, golden, dtype, layout=torch.contiguous_format):
+    assert out.dtype == dtype and out.shape == unfused.shape and out.is_contiguous(memory_format=layout)
     atol, rtol = TOL[dtype]
     torch.testing.assert_close(out, unfused, atol=atol, rtol=rtol)
     if golden is not None:  # half precision: correctly rounded, up to the fp32 arithmetic
@@ -52,15 +52,40 @@ def _check(out, unfused, golden, dtype):
         assert excess.max().item() <= 0, f"fused output over half an ulp off float64 by {excess.max().item():.3g}"
 
 
+@pytest.mark.parametrize("pre_bias", [False, True], ids=["", "pre_bias"])
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("shape", GN_SHAPES, ids=str)
-def test_group_norm_silu_matches_unfused(shape, dtype):
+def test_group_norm_silu_matches_unfused(shape, dtype, layout, pre_bias):
+    """NCHW and NHWC kernels, with and without a convolution's bias folded in (the reference adds
+    it as torch would: a tensor of x's dtype)."""
+    if layout == torch.channels_last and len(shape) != 4:
+        pytest.skip("channels_last is 4-D only")
     groups = 32 if shape[1] % 32 == 0 else 8
     x, w, b = _gn_inputs(shape, dtype)
-    out = plugins.group_norm_silu(x, w, b, groups, 1e-5)
+    x = x.contiguous(memory_format=layout)
+    c = (0.5 * torch.randn(shape[1], device="cuda", generator=torch.Generator("cuda").manual_seed(9))).to(dtype)
+    out = plugins.group_norm_silu(x, w, b, groups, 1e-5, c if pre_bias else None)
+    if pre_bias:
+        x = x + c.view(1, -1, *[1] * (x.dim() - 2))
     unfused = F.silu(F.group_norm(x, groups, w, b, 1e-5))
     golden = F.silu(F.group_norm(x.double(), groups, w.double(), b.double(), 1e-5)) if dtype != torch.float32 else None
-    _check(out, unfused, golden, dtype)
+    _check(out, unfused, golden, dtype, layout)
+
+
+@pytest.mark.parametrize("layout", [torch.contiguous_format, torch.channels_last], ids=["nchw", "nhwc"])
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("shape", [(1, 128, 1024, 1024), (2, 320, 128, 128), (3, 96, 17, 23)], ids=str)
+def test_bias_residual_is_torchs_three_ops_bit_for_bit(shape, dtype, layout):
+    """Each intermediate rounded to the dtype as torch's separate ops round it: equal, not close."""
+    g = torch.Generator("cuda").manual_seed(3)
+    h, r = (torch.randn(shape, device="cuda", generator=g).to(dtype).contiguous(memory_format=layout)
+            for _ in range(2))
+    bias = torch.randn(shape[1], device="cuda", generator=g).to(dtype)
+    for scale in (1.0, 1.4142):
+        out = plugins.bias_residual(h, bias, r, scale)
+        assert out.is_contiguous(memory_format=layout)
+        assert torch.equal(out, (r + (h + bias.view(1, -1, 1, 1))) / scale)
 
 
 def test_group_norm_silu_large_mean_and_channels_last():
@@ -70,7 +95,7 @@ def test_group_norm_silu_large_mean_and_channels_last():
     x, w, b = _gn_inputs((2, 320, 64, 64), torch.float32)
     x = (x + 200).to(memory_format=torch.channels_last)
     out = plugins.group_norm_silu(x, w, b, 32, 1e-5)
-    assert out.is_contiguous()
+    assert out.is_contiguous(memory_format=torch.channels_last)
     golden = F.silu(F.group_norm(x.double(), 32, w.double(), b.double(), 1e-5))
     torch.testing.assert_close(out, golden.float(), atol=1e-4, rtol=1e-4)
 
@@ -106,11 +131,12 @@ def test_geglu_linear_matches_the_unfused_projection_and_geglu(shape):
 
 def test_ops_registration_passes_opcheck_on_cuda():
     """Fake and Triton implementations agree on shapes, dtypes and strides (channels_last in,
-    contiguous out), which inductor and CUDA graphs rely on."""
+    channels_last out), which inductor and CUDA graphs rely on."""
     x, w, b = _gn_inputs((2, 64, 8, 8), torch.float16)
-    torch.library.opcheck(torch.ops.easel.group_norm_silu.default, (x, w, b, 32, 1e-5))
-    x = x.to(memory_format=torch.channels_last)
-    torch.library.opcheck(torch.ops.easel.group_norm_silu.default, (x, w, b, 32, 1e-5))
+    for x in (x, x.to(memory_format=torch.channels_last)):
+        torch.library.opcheck(torch.ops.easel.group_norm_silu.default, (x, w, b, 32, 1e-5))
+        torch.library.opcheck(torch.ops.easel.group_norm_silu.default, (x, w, b, 32, 1e-5, b))
+        torch.library.opcheck(torch.ops.easel.bias_residual.default, (x, b, x.clone(), 0.5))
     torch.library.opcheck(torch.ops.easel.geglu.default, (torch.randn(2, 3, 64, device="cuda", dtype=torch.float16),))
 
 

@@ -43,18 +43,40 @@ def test_geglu_on_cpu_is_the_unfused_reference(shape, dtype):
     assert torch.equal(plugins.geglu(x), hidden * F.gelu(gate))
 
 
-def test_ops_channels_last_input_gives_contiguous_output():
+def test_ops_on_cpu_give_contiguous_outputs():
+    """Channels_last stays channels_last only where the NHWC kernels run (CUDA, the interpreter:
+    tests/gpu/test_plugins.py and the interpreter test below)."""
     x = torch.randn(2, 16, 4, 4).to(memory_format=torch.channels_last)
     out = plugins.group_norm_silu(x, torch.ones(16), torch.zeros(16), 4, 1e-6)
     assert out.is_contiguous()
     assert torch.allclose(out, F.silu(F.group_norm(x, 4, torch.ones(16), torch.zeros(16), 1e-6)))
+    assert plugins.bias_residual(x, torch.randn(16), x.contiguous(), 1.0).is_contiguous()
+    strided = torch.randn(2, 16, 4, 8)[..., ::2]
+    assert plugins.group_norm_silu(strided, torch.ones(16), torch.zeros(16), 4, 1e-6).is_contiguous()
+    assert plugins.bias_residual(strided, torch.randn(16), strided, 1.0).is_contiguous()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_pre_bias_and_bias_residual_on_cpu_are_the_unfused_reference(dtype):
+    """The biases of convolutions run without them: x + bias is rounded to x's dtype first, as
+    torch's materialized sum is."""
+    torch.manual_seed(0)
+    x, r = torch.randn(2, 8, 5, 5, dtype=dtype), torch.randn(2, 8, 5, 5, dtype=dtype)
+    w, b, c = torch.randn(8, dtype=dtype), torch.randn(8, dtype=dtype), torch.randn(8, dtype=dtype)
+    biased = x + c.view(1, -1, 1, 1)
+    assert torch.equal(plugins.group_norm_silu(x, w, b, 2, 1e-5, c), F.silu(F.group_norm(biased, 2, w, b, 1e-5)))
+    assert torch.equal(plugins.bias_residual(x, c, r, 2.0), (r + biased) / 2.0)
 
 
 def test_ops_reject_bad_shapes():
     with pytest.raises(RuntimeError, match="do not split into 5 groups"):
         plugins.group_norm_silu(torch.randn(1, 8, 2, 2), torch.ones(8), torch.zeros(8), 5, 1e-6)
-    with pytest.raises(RuntimeError, match="weight/bias must be"):
+    with pytest.raises(RuntimeError, match=r"weight must be \[8\]"):
         plugins.group_norm_silu(torch.randn(1, 8, 2, 2), torch.ones(4), torch.zeros(8), 2, 1e-6)
+    with pytest.raises(RuntimeError, match=r"pre_bias must be \[8\]"):
+        plugins.group_norm_silu(torch.randn(1, 8, 2, 2), torch.ones(8), torch.zeros(8), 2, 1e-6, torch.ones(3))
+    with pytest.raises(RuntimeError, match=r"bias_residual: residual \(1, 8, 2, 3\) is not h's"):
+        plugins.bias_residual(torch.randn(1, 8, 2, 2), torch.ones(8), torch.randn(1, 8, 2, 3), 1.0)
     with pytest.raises(RuntimeError, match=r"geglu wants \[..., 2\*D\]"):
         plugins.geglu(torch.randn(3, 7))
 
@@ -63,6 +85,9 @@ def test_ops_registration_passes_opcheck():
     """Schema, fake (meta) implementation and dispatch agree: what torch.compile relies on."""
     for x in (torch.randn(2, 16, 4, 4), torch.randn(2, 16, 4, 4).to(memory_format=torch.channels_last)):
         torch.library.opcheck(torch.ops.easel.group_norm_silu.default, (x, torch.randn(16), torch.randn(16), 4, 1e-5))
+        torch.library.opcheck(torch.ops.easel.group_norm_silu.default,
+                              (x, torch.randn(16), torch.randn(16), 4, 1e-5, torch.randn(16)))
+        torch.library.opcheck(torch.ops.easel.bias_residual.default, (x, torch.randn(16), torch.randn(2, 16, 4, 4), 0.5))
     torch.library.opcheck(torch.ops.easel.geglu.default, (torch.randn(2, 3, 8),))
 
 
@@ -200,26 +225,46 @@ INTERPRETER_TOL = {"float32": (1e-5, 1e-5), "float16": (1e-3, 2e-3), "bfloat16":
 _INTERPRETER_OPS = """
     import torch, torch.nn.functional as F
     import plugins
-    from plugins import groupnorm_silu_kernel as gk
+    from plugins import groupnorm_silu_kernel as gk, groupnorm_silu_nhwc_kernel as nk
     # Small tiles, so these small tensors still take every path of the large ones: several
     # stats programs per group, full tiles and a tail, several apply tiles per program.
     gk._STATS_BLOCK, gk._APPLY_BLOCK, gk._MIN_TILES_PER_SPLIT = 64, 32, 1
+    nk._TILE, nk._MIN_TILES_PER_SPLIT = 64, 1
     TOL = {tol!r}
     torch.manual_seed(0)
 
-    def check(out, ref, dtype):
+    def check(out, ref, dtype, layout=torch.contiguous_format):
         atol, rtol = TOL[str(dtype).removeprefix("torch.")]
-        assert out.dtype == dtype and out.is_contiguous(), (out.dtype, out.stride())
+        assert out.dtype == dtype and out.is_contiguous(memory_format=layout), (out.dtype, out.stride())
         torch.testing.assert_close(out, ref.to(dtype), atol=atol, rtol=rtol)
 
     for dtype in (torch.float32, torch.float16, torch.bfloat16):
-        for shape, groups in [((2, 16, 10, 9), 4), ((1, 12, 7, 5), 3), ((2, 8, 12), 2), ((1, 64, 2, 2), 32)]:
-            # an offset mean, so a naive sum of squares would lose digits
-            x = (torch.randn(shape, dtype=torch.float64) * 2 + 20).to(dtype)
-            w, b = torch.randn(shape[1]).to(dtype), torch.randn(shape[1]).to(dtype)
-            ref = F.silu(F.group_norm(x.double(), groups, w.double(), b.double(), 1e-5))
-            check(plugins.group_norm_silu(x, w, b, groups, 1e-5), ref, dtype)
-        x = torch.randn(2, 16, 6, 6).to(dtype).to(memory_format=torch.channels_last)
+        # channels_last: the NHWC kernels, with channels that are no power of two (24: masked lanes)
+        for shape, groups, layout in [((2, 16, 10, 9), 4, torch.contiguous_format), ((1, 12, 7, 5), 3, None),
+                                      ((2, 8, 12), 2, None), ((1, 64, 2, 2), 32, None),
+                                      ((2, 16, 10, 9), 4, torch.channels_last), ((2, 24, 5, 6), 8, torch.channels_last),
+                                      ((1, 64, 3, 2), 32, torch.channels_last)]:
+            layout = layout or torch.contiguous_format
+            for with_bias in (False, True):
+                # an offset mean, so a naive sum of squares would lose digits
+                x = (torch.randn(shape, dtype=torch.float64) * 2 + 20).to(dtype).contiguous(memory_format=layout)
+                w, b = torch.randn(shape[1]).to(dtype), torch.randn(shape[1]).to(dtype)
+                pre = torch.randn(shape[1]).to(dtype) if with_bias else None
+                biased = x.float() + pre.view(1, -1, *[1] * (x.dim() - 2)).float() if with_bias else x
+                if with_bias and dtype == torch.bfloat16:  # the interpreter's truncation, not rounding
+                    biased = (biased.view(torch.int32) & ~0xFFFF).view(torch.float32)
+                biased = biased.to(dtype)
+                ref = F.silu(F.group_norm(biased.double(), groups, w.double(), b.double(), 1e-5))
+                check(plugins.group_norm_silu(x, w, b, groups, 1e-5, pre), ref, dtype, layout)
+                h, r = (torch.randn(shape).to(dtype).contiguous(memory_format=layout) for _ in range(2))
+                out = plugins.bias_residual(h, b, r, 1.0 if with_bias else 0.5)
+                want = (r + (h + b.view(1, -1, *[1] * (h.dim() - 2)))) / (1.0 if with_bias else 0.5)
+                assert out.is_contiguous(memory_format=layout), out.stride()
+                if dtype != torch.bfloat16:
+                    assert torch.equal(out, want), (out - want).abs().max()
+                else:  # truncated three times by the interpreter (see INTERPRETER_TOL): 2 ulps
+                    torch.testing.assert_close(out, want, atol=0.0625, rtol=2 ** -6)
+        x = torch.randn(2, 16, 6, 6).to(dtype)[..., ::2]  # neither layout: made NCHW first
         ref = F.silu(F.group_norm(x.double(), 4, None, None, 1e-5))
         check(plugins.group_norm_silu(x, torch.ones(16, dtype=dtype), torch.zeros(16, dtype=dtype), 4, 1e-5), ref, dtype)
         for shape in [(2, 3, 2 * 40), (5, 2 * 1500), (2, 2 * 2560), (1, 2)]:
