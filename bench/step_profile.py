@@ -27,7 +27,7 @@ log = logging.getLogger("bench.step_profile")
 # First match wins: order matters. inductor names its kernels after the ops they fuse
 # ("triton_poi_fused_add_convolution_..."), cuDNN's convolutions also say "xmma", GEMMs "cutlass".
 CATEGORIES = (
-    ("fused (triton)", ("triton_", "_geglu", "_partial_stats", "_apply")),
+    ("fused (triton)", ("triton_", "_geglu", "_partial_stats", "_stats", "_finalize", "_apply", "_bias_residual")),
     ("attention", ("flash", "fmha", "attention", "sdpa")),
     ("layout", ("nchwtonhwc", "nhwctonchw", "transpose", "copy_kernel", "permute")),
     ("conv", ("conv", "fprop", "implicit_gemm", "winograd", "dgrad")),

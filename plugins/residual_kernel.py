@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 
+import numpy as np
 import torch
 import triton
 import triton.language as tl
@@ -21,7 +22,7 @@ _BLOCK = 2048
 
 
 @triton.jit
-def _bias_residual(h_ptr, bias_ptr, r_ptr, out_ptr, numel, C, HW, scale,
+def _bias_residual(h_ptr, bias_ptr, r_ptr, out_ptr, numel, C, HW, inv_scale,
                    CHANNELS_LAST: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = offs < numel
@@ -31,7 +32,7 @@ def _bias_residual(h_ptr, bias_ptr, r_ptr, out_ptr, numel, C, HW, scale,
     b = tl.load(bias_ptr + c, mask=live, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + offs, mask=live, other=0.0).to(tl.float32)
     h = (h + b).to(dtype).to(tl.float32)
-    out = tl.math.div_rn((r + h).to(dtype).to(tl.float32), scale)  # IEEE division, as torch's
+    out = (r + h).to(dtype).to(tl.float32) * inv_scale
     tl.store(out_ptr + offs, out.to(dtype), mask=live)
 
 
@@ -42,8 +43,10 @@ def bias_residual_triton(h: torch.Tensor, bias: torch.Tensor, residual: torch.Te
     if h.numel() == 0:
         return out
     C = h.shape[1]
+    # torch on CUDA divides by a Python scalar as a product with its fp32 reciprocal: the same here.
+    inv_scale = float(np.float32(1.0) / np.float32(scale))
     with torch.cuda.device(h.device) if h.is_cuda else contextlib.nullcontext():
         _bias_residual[(triton.cdiv(h.numel(), _BLOCK),)](
-            h, bias.contiguous(), residual, out, h.numel(), C, h.numel() // (h.shape[0] * C), float(scale),
+            h, bias.contiguous(), residual, out, h.numel(), C, h.numel() // (h.shape[0] * C), inv_scale,
             CHANNELS_LAST=channels_last, BLOCK=_BLOCK, num_warps=8)
     return out
