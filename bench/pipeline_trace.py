@@ -78,15 +78,19 @@ def stub_pids() -> list[tuple[str, int]]:
     return sorted(found)
 
 
-def start_sampling(py_spy: str, out: Path, seconds: float) -> list[tuple[str, Path, subprocess.Popen]]:
+def start_sampling(py_spy: str, out: Path, seconds: float, native: bool = False
+                   ) -> list[tuple[str, Path, subprocess.Popen]]:
     """py-spy on every stub for `seconds`, each into `<out stem>.<model>.<pid>.txt` (raw folded
-    stacks) until join_samples gathers them."""
+    stacks, one root frame per thread) until join_samples gathers them. `native` adds the C/C++
+    frames (a wait for the GIL, a CUDA synchronization), which py-spy can only read from a paused
+    process: each sample stops the stub for a moment."""
     runs = []
+    mode = ["--native"] if native else ["--nonblocking"]
     for model, pid in stub_pids():
         target = out.with_name(f"{out.stem}.{model}.{pid}.txt")
         runs.append((f"{model}.{pid}", target, subprocess.Popen(
             [py_spy, "record", "--pid", str(pid), "--duration", str(int(seconds) + 1), "--rate", "250", "--idle",
-             "--format", "raw", "--nonblocking", "--output", str(target)],
+             "--threads", "--format", "raw", *mode, "--output", str(target)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
     time.sleep(1.0)  # attached before the first timed request
     return runs
@@ -115,6 +119,7 @@ def main() -> None:
     p.add_argument("--cpu", action="store_true", help="the tiny model on CPU (a smoke run of this script)")
     p.add_argument("--repo", type=Path, default=None, help="an existing repository to trace (no export)")
     p.add_argument("--py-spy", default=None, metavar="BIN", help="sample the stubs with this py-spy")
+    p.add_argument("--native", action="store_true", help="with --py-spy: C/C++ frames too (pauses each stub per sample)")
     p.add_argument("--sample-seconds", type=float, default=None,
                    help="how long py-spy samples (default: long enough for the timed requests, estimated from "
                         "the warm-up request)")
@@ -149,7 +154,8 @@ def main() -> None:
             warm_up_s = time.perf_counter() - start
             if args.py_spy:
                 args.out.parent.mkdir(parents=True, exist_ok=True)
-                samplers = start_sampling(args.py_spy, args.out, args.sample_seconds or 2 + 1.5 * warm_up_s * args.runs)
+                samplers = start_sampling(args.py_spy, args.out, args.sample_seconds or 2 + 1.5 * warm_up_s * args.runs,
+                                          args.native)
             before = model_totals(stats)
             for seed in range(args.runs):
                 start = time.perf_counter()
