@@ -260,3 +260,32 @@ def test_tracks_diffusers_exactly_on_cuda(case, dtype):
     for prediction in ("epsilon", "v_prediction"):
         track([lambda: make(prediction)] * 3, [20, 7, 13], starts=[0, 1, 3], device="cuda", dtype=dtype,
               forbid_syncs=True)
+
+
+@pytest.mark.parametrize("name", ["default", "euler", "euler_a", "dpmpp_2m_karras", "ddim"])
+def test_scheduler_prototypes_give_what_a_fresh_scheduler_gives(name):
+    """The denoiser's schedulers are copies of a prototype per (name, steps): each steps exactly as one
+    built and set up afresh, and stepping one (multistep history, step index) leaves the next alone."""
+    from backends.core.engine.diffusers_schedulers import SchedulerPrototypes
+
+    base = EulerDiscreteScheduler.from_config(SDXL)
+    prototypes = SchedulerPrototypes(base, torch.device("cpu"), size=2)
+
+    def run(sched, seed: int) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(seed)
+        latents = randn_tensor(SHAPE, generator=generator) * sched.init_noise_sigma
+        for t in sched.timesteps:
+            noise = torch.sin(sched.scale_model_input(latents, t) + t / 1000)  # any deterministic "UNet"
+            latents = sched.step(noise, t, latents, generator=generator, return_dict=False)[0]
+        return latents
+
+    def fresh(steps: int):
+        sched = make_scheduler(name, base)
+        sched.set_timesteps(steps)
+        if hasattr(sched, "set_begin_index"):
+            sched.set_begin_index(0)
+        return sched
+
+    for steps, seed in ((12, 0), (12, 1), (7, 2), (5, 3), (12, 4)):  # size 2: (12) is evicted, then rebuilt
+        assert torch.equal(run(prototypes.fresh(name, steps), seed), run(fresh(steps), seed)), (steps, seed)
+    assert list(prototypes._prototypes) == [(name, 5), (name, 12)]

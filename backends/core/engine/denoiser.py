@@ -31,7 +31,7 @@ from backends.core.adapters.lora import LoraMerger, LoraSet, lora_key
 from backends.core.request.params import GenerateParams, InvalidInput
 from backends.core.runtime.placement import Placement
 from backends.core.engine.controls import collect_controls, submit_controls
-from backends.core.engine.diffusers_schedulers import make_scheduler
+from backends.core.engine.diffusers_schedulers import SchedulerPrototypes
 from backends.core.engine.samplers import SamplerPlan, model_timesteps, scale_model_input, vectorizable
 from backends.core.engine.samplers import step as sampler_step
 from backends.core.engine.step_stats import DECODED, DECODER, ENCODED, ENCODER, SAMPLED, SAMPLER, StepClock
@@ -142,6 +142,7 @@ class TorchDenoiser:
         self.streams = {s.device: s for s in (*self.runtime.streams, self.stream) if s is not None}
         self.unet = self.runtime.weights_module  # its config; LoRA merges write into its weights in place
         self.base_scheduler = _load_scheduler(folder / "scheduler")
+        self.schedulers = SchedulerPrototypes(self.base_scheduler, self.device)
         self.vae_scale_factor = json.loads((folder / VAE_SCALE_FACTOR_FILE).read_text())["vae_scale_factor"]
         self.latent_channels = self.unet.config.in_channels
         self.controlnets = controlnets
@@ -189,10 +190,7 @@ class TorchDenoiser:
             if tuple(array.shape) != shape:
                 raise InvalidInput(name, f"has shape {tuple(array.shape)}, expected {shape} for these params")
         self.adopt_loras(job.loras)  # (LoRAs given up front; those still loading are adopted on arrival)
-        sched = make_scheduler(p.scheduler, self.base_scheduler)
-        sched.set_timesteps(p.steps, device=self.device)
-        if hasattr(sched, "set_begin_index"):
-            sched.set_begin_index(0)
+        sched = self.schedulers.fresh(p.scheduler, p.steps)
         generator = torch.Generator("cpu").manual_seed(p.seed)
         h, w = self.latent_shape(p)
         latents = randn_tensor((1, self.latent_channels, h, w), generator=generator, device=self.device,
