@@ -6,7 +6,11 @@ an H200 at 1024x1024 (bench/vae_micro.py, fp32, random weights; results in bench
 eager 118 ms, graphs 116, graphs + `fused_kernels` (plugins' GroupNorm+SiLU) 68 ms with pixels
 within 1 of eager's, `compiled` 64 ms after a 25 s compile, `channels_last` 164 ms (slower);
 bf16 38 ms but 50 dB from fp32, fp16 overflows on SDXL's real VAE. A fast deployment uses
-graphs + fused kernels.
+graphs + fused kernels. Since the fused GroupNorm+SiLU keeps channels_last tensors in that layout
+and the residual blocks' convolution biases are folded into the fused ops (plugins/), the decoder
+runs NHWC from its mid block's attention on (cuDNN's NHWC convolutions, no layout copies):
+graphs + fused + bf16 attention 45 ms (57.8 before), bf16 29 ms (38), with or without
+`channels_last` (twenty-first session, bench/results/2026-11-24e-h200/notes.md).
 
 `attention_dtype` (fp16 or bf16; for an fp32 VAE, as SDXL's upcast one): the mid block's
 attention (one head of 512 channels over all 16384 latent pixels at 1024 px) multiplies in that
