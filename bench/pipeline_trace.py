@@ -119,7 +119,8 @@ def main() -> None:
     p.add_argument("--cpu", action="store_true", help="the tiny model on CPU (a smoke run of this script)")
     p.add_argument("--repo", type=Path, default=None, help="an existing repository to trace (no export)")
     p.add_argument("--py-spy", default=None, metavar="BIN", help="sample the stubs with this py-spy")
-    p.add_argument("--native", action="store_true", help="with --py-spy: C/C++ frames too (pauses each stub per sample)")
+    p.add_argument("--native", action="store_true",
+                   help="with --py-spy: C/C++ frames too (pauses each stub per sample)")
     p.add_argument("--sample-seconds", type=float, default=None,
                    help="how long py-spy samples (default: long enough for the timed requests, estimated from "
                         "the warm-up request)")

@@ -125,8 +125,8 @@ def main() -> None:
     p.add_argument("--rows", type=int, default=2)
     p.add_argument("--kinds", default="graphs+fused,compiled",
                    help="eager, graphs or compiled, each optionally +cl (channels_last), +fused, +cudnn (attention), "
-                        "+unpacked (no packed attention projections), +lt (cuBLASLt), +bench (cudnn.benchmark: convolution algorithms "
-                        "timed, not guessed), +fp8 (RuntimeConfig.fp8: every part), and for compiled inductor's "
+                        "+unpacked (no packed attention projections), +lt (cuBLASLt), +bench (cudnn.benchmark: "
+                        "convolution algorithms timed, not guessed), +fp8 (RuntimeConfig.fp8: every part), and for compiled inductor's "
                         + ", ".join(f"+{k} ({v})" for k, v in INDUCTOR_OPTIONS.items()))
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()

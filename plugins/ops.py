@@ -9,8 +9,8 @@ reference, so models patched with these ops still run on CPU. With TRITON_INTERP
 environment CPU tensors run the Triton kernels too, through Triton's interpreter: that is how
 the kernels are tested on machines without a GPU. A 4-D channels_last input gives a channels_last
 output on CUDA (NHWC kernels: no layout copies around cuDNN's NHWC convolutions); any other input
-gives a contiguous one, so the fake and real implementations agree on strides. Inference only: no autograd
-formula is registered.
+gives a contiguous one, so the fake and real implementations agree on strides. Inference only:
+no autograd formula is registered.
 """
 
 from __future__ import annotations
