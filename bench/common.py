@@ -27,6 +27,13 @@ def write_json(path: Path, report: dict) -> None:
     logging.getLogger("bench").info("wrote %s", path)
 
 
+def run_key(variants: dict, name: str) -> str:
+    """The report key of a variant's run: its name, or "name #2", "name #3"... for one named again
+    (alternated with another, against drift), so that each run is kept."""
+    runs = sum(key.split(" #")[0] == name for key in variants)
+    return f"{name} #{runs + 1}" if runs else name
+
+
 def start_logging() -> None:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 

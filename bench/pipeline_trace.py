@@ -16,7 +16,8 @@ Triton's compute splits into copying the inputs in, the stub's infer (the adapte
 the stub's message round trip; the model's own stage is inside it) and copying the outputs out.
 `--py-spy` also samples every stub while the timed requests run (py-spy's folded stacks, idle
 frames included, in one file beside --out, each stack under its stub's `<model>.<pid>` as its root
-frame): where the adapters' time outside their stages goes. `--repo` traces an existing repository (e.g. `easel bench`'s, whose compile cache is warm).
+frame): where the adapters' time outside their stages goes; `--native` adds their C frames.
+`--repo` traces an existing repository (e.g. `easel bench`'s, whose compile cache is warm).
 
     python3 -m bench.pipeline_trace --work /tmp/easel-trace --out $OUT/pipeline_trace.json [--runtime graphs]
     python3 -m bench.pipeline_trace --work /tmp/easel-trace --out /tmp/t.json --cpu --steps 4  # the tiny model

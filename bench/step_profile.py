@@ -19,7 +19,7 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-from bench.common import bench_parser, random_sdxl_denoiser, random_sdxl_fp8_calibration, start_logging
+from bench.common import bench_parser, random_sdxl_denoiser, random_sdxl_fp8_calibration, run_key, start_logging
 from bench.runtime_micro import gpu_ms
 
 log = logging.getLogger("bench.step_profile")
@@ -126,7 +126,8 @@ def main() -> None:
     p.add_argument("--kinds", default="graphs+fused,compiled",
                    help="eager, graphs or compiled, each optionally +cl (channels_last), +fused, +cudnn (attention), "
                         "+unpacked (no packed attention projections), +lt (cuBLASLt), +bench (cudnn.benchmark: "
-                        "convolution algorithms timed, not guessed), +fp8 (RuntimeConfig.fp8: every part), and for compiled inductor's "
+                        "convolution algorithms timed, not guessed), +fp8 (RuntimeConfig.fp8: every part), and for "
+                        "compiled inductor's "
                         + ", ".join(f"+{k} ({v})" for k, v in INDUCTOR_OPTIONS.items()))
     p.add_argument("--iters", type=int, default=10)
     args = p.parse_args()
@@ -162,18 +163,16 @@ def main() -> None:
         # later variant replays the first one's kernels whatever its inductor knobs say.
         torch._dynamo.reset()
 
-        knobs = {INDUCTOR_OPTIONS[o]: getattr(*_knob(inductor, INDUCTOR_OPTIONS[o]))
-                 for o in options if o in INDUCTOR_OPTIONS}
-        for knob in knobs:
-            setattr(*_knob(inductor, knob), True)
+        knobs = [(holder, knob, getattr(holder, knob))  # (where it lives, its name, its default)
+                 for holder, knob in (_knob(inductor, INDUCTOR_OPTIONS[o]) for o in options if o in INDUCTOR_OPTIONS)]
+        for holder, knob, _ in knobs:
+            setattr(holder, knob, True)
         # +lt: cuBLASLt instead of cuBLAS for the products outside inductor's kernels.
         torch.backends.cuda.preferred_blas_library("cublaslt" if "lt" in options else "cublas")
         eager = EagerUNetRuntime(*load_unet_halves(folder, where))
         template = template_batch(eager.weights_module, torch.device("cuda:0"), torch.float16)
         batch = _resized(template, args.rows, latent, latent)
-        # A variant named twice (alternated with another, against drift) keeps each run: "name #2".
-        runs = sum(key.split(" #")[0] == name for key in report["variants"])
-        entry = report["variants"][name if not runs else f"{name} #{runs + 1}"] = {}
+        entry = report["variants"][run_key(report["variants"], name)] = {}
         if kind == "eager":
             runtime, enc_fn, dec_fn = eager, eager.encoder, eager.decoder
             if set(options) - {"cudnn"}:
@@ -212,8 +211,8 @@ def main() -> None:
                  ", ".join(f"{c} {ms:.2f} ({100 * ms / total:.0f}%)" for c, ms in by_cat.items()))
         for k, ms in kernels[:12]:
             log.info("    %.3f ms  %s", ms, k)
-        for knob, default in knobs.items():
-            setattr(*_knob(inductor, knob), default)
+        for holder, knob, default in knobs:
+            setattr(holder, knob, default)
         del runtime, eager, enc_fn, dec_fn
         torch.cuda.empty_cache()
         args.out.parent.mkdir(parents=True, exist_ok=True)

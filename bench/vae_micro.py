@@ -25,7 +25,7 @@ from pathlib import Path
 
 import numpy as np
 
-from bench.common import bench_parser, random_sdxl, start_logging
+from bench.common import bench_parser, random_sdxl, run_key, start_logging
 from bench.step_profile import kernel_profile
 
 log = logging.getLogger("bench.vae_micro")
@@ -95,9 +95,7 @@ def main() -> None:
             times = wall_s(lambda: decoder.decode(latents), args.iters)
         if reference is None:
             reference = pixels
-        # A variant named twice (alternated with another, against drift) keeps each run: "name #2".
-        runs = sum(key.split(" #")[0] == name for key in report["variants"])
-        entry = report["variants"][name if not runs else f"{name} #{runs + 1}"] = {
+        entry = report["variants"][run_key(report["variants"], name)] = {
             "decode_s": statistics.median(times), "decode_s_min": min(times), "decode_s_max": max(times),
             "load_and_first_s": first_s, "psnr_db_vs_fp32": psnr(reference, pixels),
             "max_abs_diff": int(np.abs(reference.astype(np.int16) - pixels.astype(np.int16)).max())}
