@@ -31,8 +31,6 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.ops import layout_of
-
 _STATS_BLOCK = 2048  # elements per loop step of the stats pass (8 warps x 8 lanes' worth)
 _APPLY_BLOCK = 2048
 _MAX_SPLITS = 64  # the apply pass merges at most this many partials per group
@@ -45,6 +43,13 @@ def _welford_combine(mean_a, m2_a, n_a, mean_b, m2_b, n_b):
     w_b = tl.where(n == 0, 0.0, n_b / tl.maximum(n, 1.0))
     delta = mean_b - mean_a
     return mean_a + delta * w_b, m2_a + m2_b + delta * delta * n_a * w_b, n
+
+
+@triton.jit
+def rounded_like(v, ptr):
+    """fp32 `v` rounded to the element type of `ptr` and back: what torch's materialized tensor of
+    that dtype would hold (x + a convolution's bias, say), for the fp32 arithmetic after it."""
+    return v.to(ptr.dtype.element_ty).to(tl.float32)
 
 
 @triton.jit
@@ -68,8 +73,8 @@ def _partial_stats(x_ptr, pre_bias_ptr, mean_ptr, m2_ptr, count_ptr, group_numel
     for t in range(n_full):
         offs = start + t * BLOCK + lanes
         v = tl.load(base + offs).to(tl.float32)
-        if HAS_BIAS:  # rounded to x's dtype, as torch's materialized x + bias would be
-            v = (v + tl.load(pre_bias_ptr + c0 + offs // HW).to(tl.float32)).to(x_ptr.dtype.element_ty).to(tl.float32)
+        if HAS_BIAS:
+            v = rounded_like(v + tl.load(pre_bias_ptr + c0 + offs // HW).to(tl.float32), x_ptr)
         v -= shift
         delta = v - mean
         mean += delta * (1.0 / (t + 1.0))
@@ -80,8 +85,7 @@ def _partial_stats(x_ptr, pre_bias_ptr, mean_ptr, m2_ptr, count_ptr, group_numel
     live = offs < end
     v = tl.load(base + offs, mask=live, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        v = (v + tl.load(pre_bias_ptr + c0 + offs // HW, mask=live, other=0.0).to(tl.float32)
-             ).to(x_ptr.dtype.element_ty).to(tl.float32)
+        v = rounded_like(v + tl.load(pre_bias_ptr + c0 + offs // HW, mask=live, other=0.0).to(tl.float32), x_ptr)
     v -= shift
     count_new = count + live.to(tl.float32)
     delta = v - mean
@@ -128,7 +132,7 @@ def _apply(x_ptr, pre_bias_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, m2_ptr, count_ptr
         m = offs < HW
         v = tl.load(x_ptr + base + offs, mask=m, other=0.0).to(tl.float32)
         if HAS_BIAS:
-            v = (v + x_bias).to(x_ptr.dtype.element_ty).to(tl.float32)
+            v = rounded_like(v + x_bias, x_ptr)
         y = (v - mean) * scale + shift
         y = y * tl.sigmoid(y)
         tl.store(y_ptr + base + offs, y.to(y_ptr.dtype.element_ty), mask=m)
@@ -143,12 +147,8 @@ def num_sms(device: torch.device) -> int:
 
 def group_norm_silu_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor,
                            num_groups: int, eps: float, pre_bias: torch.Tensor | None = None) -> torch.Tensor:
-    """The Triton path of easel::group_norm_silu: y in x's layout, NCHW or channels_last (NHWC,
-    plugins.groupnorm_silu_nhwc_kernel); any other layout is copied to NCHW first."""
-    if layout_of(x) == torch.channels_last:
-        from plugins.groupnorm_silu_nhwc_kernel import group_norm_silu_nhwc
-
-        return group_norm_silu_nhwc(x, weight, bias, num_groups, eps, pre_bias)
+    """The NCHW Triton path of easel::group_norm_silu: y contiguous; x of any other layout is
+    copied to NCHW first (plugins.ops sends channels_last inputs to the NHWC kernels instead)."""
     N, C = x.shape[0], x.shape[1]
     HW = math.prod(x.shape[2:])
     x = x.contiguous()

@@ -27,7 +27,7 @@ import torch
 import triton
 import triton.language as tl
 
-from plugins.groupnorm_silu_kernel import _welford_combine, num_sms
+from plugins.groupnorm_silu_kernel import _welford_combine, num_sms, rounded_like
 
 _TILE = 2048  # elements of a [pixels, channels] tile (8 warps x 8 lanes' worth)
 _MIN_TILES_PER_SPLIT = 4
@@ -60,7 +60,7 @@ def _stats(x_ptr, pre_bias_ptr, mean_ptr, m2_ptr, HW, C, channels_per_group, chu
         v = tl.load(base + pix[:, None].to(tl.int64) * C + cs[None, :], mask=c_live[None, :], other=0.0)
         v = v.to(tl.float32)
         if HAS_BIAS:
-            v = (v + bias[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
+            v = rounded_like(v + bias[None, :], x_ptr)
         v -= shift[None, :]
         delta = v - mean
         mean += delta * (1.0 / (t + 1.0))
@@ -70,7 +70,7 @@ def _stats(x_ptr, pre_bias_ptr, mean_ptr, m2_ptr, HW, C, channels_per_group, chu
     live = (pix < end)[:, None] & c_live[None, :]
     v = tl.load(base + pix[:, None].to(tl.int64) * C + cs[None, :], mask=live, other=0.0).to(tl.float32)
     if HAS_BIAS:
-        v = (v + bias[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
+        v = rounded_like(v + bias[None, :], x_ptr)
     v -= shift[None, :]
     count_new = count + live.to(tl.float32)
     delta = v - mean
@@ -138,7 +138,7 @@ def _apply(x_ptr, pre_bias_ptr, y_ptr, w_ptr, b_ptr, group_mean_ptr, group_rstd_
         offs = base + pix[:, None].to(tl.int64) * C + cs[None, :]
         v = tl.load(x_ptr + offs, mask=m, other=0.0).to(tl.float32)
         if HAS_BIAS:
-            v = (v + bias[None, :]).to(x_ptr.dtype.element_ty).to(tl.float32)
+            v = rounded_like(v + bias[None, :], x_ptr)
         y = (v - mean[None, :]) * scale[None, :] + shift[None, :]
         y = y * tl.sigmoid(y)
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)

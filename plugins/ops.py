@@ -26,6 +26,8 @@ def _kernels(name: str):
     try:
         if name == "group_norm_silu":
             from plugins import groupnorm_silu_kernel as mod
+        elif name == "group_norm_silu_nhwc":
+            from plugins import groupnorm_silu_nhwc_kernel as mod
         elif name == "bias_residual":
             from plugins import residual_kernel as mod
         else:
@@ -73,16 +75,22 @@ def group_norm_silu(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, n
     pre_bias [C] (optional) is a bias per channel, the convolution's that wrote x."""
     _check_group_norm(x, weight, bias, num_groups, pre_bias)
     if _interpreting():
-        return _kernels("group_norm_silu").group_norm_silu_triton(x, weight, bias, num_groups, eps, pre_bias)
+        return _group_norm_silu_triton(x, weight, bias, num_groups, eps, pre_bias)
     if pre_bias is not None:
         x = x + _channel_bias(pre_bias, x)
     return F.silu(F.group_norm(x, num_groups, weight, bias, eps)).contiguous(memory_format=layout_of(x))
 
 
+def _group_norm_silu_triton(x, weight, bias, num_groups, eps, pre_bias):
+    if layout_of(x) == torch.channels_last:
+        return _kernels("group_norm_silu_nhwc").group_norm_silu_nhwc(x, weight, bias, num_groups, eps, pre_bias)
+    return _kernels("group_norm_silu").group_norm_silu_triton(x, weight, bias, num_groups, eps, pre_bias)
+
+
 @group_norm_silu.register_kernel("cuda")
 def _group_norm_silu_cuda(x, weight, bias, num_groups, eps, pre_bias=None):
     _check_group_norm(x, weight, bias, num_groups, pre_bias)
-    return _kernels("group_norm_silu").group_norm_silu_triton(x, weight, bias, num_groups, eps, pre_bias)
+    return _group_norm_silu_triton(x, weight, bias, num_groups, eps, pre_bias)
 
 
 @group_norm_silu.register_fake

@@ -39,13 +39,17 @@ def _gn_silu(norm: nn.GroupNorm, x: torch.Tensor, pre_bias: torch.Tensor | None 
     return ops.group_norm_silu(x, norm.weight, norm.bias, norm.num_groups, norm.eps, pre_bias)
 
 
-def _bias_left_out(conv: nn.Module, x: torch.Tensor) -> bool:
-    """Whether `conv` may run on x without its bias, the bias then added by the op that reads its
-    output: a plain Conv2d with a bias and no hooks (unmerged LoRA terms are forward hooks), on CUDA,
-    where torch adds a convolution's bias in a pass of its own anyway, so the sums are the same.
-    (On CPU oneDNN adds it inside the convolution: the outputs would differ in the last bits.)"""
-    return (x.is_cuda and _plain(conv, nn.Conv2d) and conv.bias is not None
-            and not conv._forward_hooks and not conv._forward_pre_hooks)
+def _conv_leaving_bias(conv: nn.Module, x: torch.Tensor, allowed: bool = True
+                       ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """conv(x), and None; or, where the bias may be left to the op that reads the output, conv(x)
+    without it, and the bias. It may for a plain Conv2d with a bias and no hooks (unmerged LoRA
+    terms are forward hooks), on CUDA, where torch adds a convolution's bias in a pass of its own
+    anyway, so the sums are the same. (On CPU oneDNN adds it inside the convolution: the outputs
+    would differ in the last bits.)"""
+    if (allowed and x.is_cuda and _plain(conv, nn.Conv2d) and conv.bias is not None
+            and not conv._forward_hooks and not conv._forward_pre_hooks):
+        return conv._conv_forward(x, conv.weight, None), conv.bias
+    return conv(x), None
 
 
 class FusedResnetBlock2D(ResnetBlock2D):
@@ -73,12 +77,8 @@ class FusedResnetBlock2D(ResnetBlock2D):
             input_tensor = self.downsample(input_tensor)
             hidden_states = self.downsample(hidden_states)
 
-        conv1_bias = None
-        if temb is None and _bias_left_out(self.conv1, hidden_states):
-            hidden_states = self.conv1._conv_forward(hidden_states, self.conv1.weight, None)
-            conv1_bias = self.conv1.bias
-        else:
-            hidden_states = self.conv1(hidden_states)
+        # A temb is added between conv1 and norm2: then conv1's bias stays in conv1.
+        hidden_states, conv1_bias = _conv_leaving_bias(self.conv1, hidden_states, allowed=temb is None)
 
         if self.time_emb_proj is not None:
             if not self.skip_time_act:
@@ -92,19 +92,15 @@ class FusedResnetBlock2D(ResnetBlock2D):
         hidden_states = _gn_silu(self.norm2, hidden_states, conv1_bias)
 
         hidden_states = self.dropout(hidden_states)
-        conv2_bias_left_out = _bias_left_out(self.conv2, hidden_states)
-        if conv2_bias_left_out:
-            hidden_states = self.conv2._conv_forward(hidden_states, self.conv2.weight, None)
-        else:
-            hidden_states = self.conv2(hidden_states)
+        hidden_states, conv2_bias = _conv_leaving_bias(self.conv2, hidden_states)
 
         if self.conv_shortcut is not None:
             if self.training:
                 input_tensor = input_tensor.contiguous()
             input_tensor = self.conv_shortcut(input_tensor)
 
-        if conv2_bias_left_out:
-            return ops.bias_residual(hidden_states, self.conv2.bias, input_tensor, self.output_scale_factor)
+        if conv2_bias is not None:
+            return ops.bias_residual(hidden_states, conv2_bias, input_tensor, self.output_scale_factor)
         output_tensor = (input_tensor + hidden_states) / self.output_scale_factor
 
         return output_tensor

@@ -18,6 +18,8 @@ import torch
 import triton
 import triton.language as tl
 
+from plugins.groupnorm_silu_kernel import rounded_like
+
 _BLOCK = 2048
 
 
@@ -27,13 +29,11 @@ def _bias_residual(h_ptr, bias_ptr, r_ptr, out_ptr, numel, C, HW, inv_scale,
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     live = offs < numel
     c = offs % C if CHANNELS_LAST else (offs // HW) % C
-    dtype = out_ptr.dtype.element_ty
     h = tl.load(h_ptr + offs, mask=live, other=0.0).to(tl.float32)
     b = tl.load(bias_ptr + c, mask=live, other=0.0).to(tl.float32)
     r = tl.load(r_ptr + offs, mask=live, other=0.0).to(tl.float32)
-    h = (h + b).to(dtype).to(tl.float32)
-    out = (r + h).to(dtype).to(tl.float32) * inv_scale
-    tl.store(out_ptr + offs, out.to(dtype), mask=live)
+    out = rounded_like(r + rounded_like(h + b, out_ptr), out_ptr) * inv_scale
+    tl.store(out_ptr + offs, out.to(out_ptr.dtype.element_ty), mask=live)
 
 
 def bias_residual_triton(h: torch.Tensor, bias: torch.Tensor, residual: torch.Tensor, scale: float,
