@@ -44,7 +44,6 @@ def _stats(x_ptr, pre_bias_ptr, mean_ptr, m2_ptr, HW, C, channels_per_group, chu
     c_live = cs < C
     first_c = (cs // channels_per_group) * channels_per_group
     shift = tl.load(base + first_c, mask=c_live, other=0.0).to(tl.float32)
-    bias = tl.zeros([BLOCK_C], dtype=tl.float32)
     if HAS_BIAS:
         shift += tl.load(pre_bias_ptr + first_c, mask=c_live, other=0.0).to(tl.float32)
         bias = tl.load(pre_bias_ptr + cs, mask=c_live, other=0.0).to(tl.float32)
@@ -126,7 +125,6 @@ def _apply(x_ptr, pre_bias_ptr, y_ptr, w_ptr, b_ptr, group_mean_ptr, group_rstd_
     scale = tl.load(w_ptr + cs, mask=c_live, other=0.0).to(tl.float32) * tl.load(group_rstd_ptr + group, mask=c_live,
                                                                                 other=0.0)
     shift = tl.load(b_ptr + cs, mask=c_live, other=0.0).to(tl.float32)
-    bias = tl.zeros([BLOCK_C], dtype=tl.float32)
     if HAS_BIAS:
         bias = tl.load(pre_bias_ptr + cs, mask=c_live, other=0.0).to(tl.float32)
     base = n.to(tl.int64) * HW * C
