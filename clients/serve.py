@@ -26,7 +26,8 @@ from typing import TextIO
 
 from backends.load_board import PREFIX as LOAD_BOARD_PREFIX
 from clients import procs
-from clients.triton_install import assemble_backend_dir, find_triton, project_root, required_backends, server_env
+from clients.triton_install import (assemble_backend_dir, find_triton, link_own_libpython, project_root, required_backends,
+                                     server_env)
 
 log = logging.getLogger(__name__)
 
@@ -218,7 +219,7 @@ class TritonServer:
         backend_dir = assemble_backend_dir(self.run_dir / "backends", triton, project,
                                            required_backends(repo))
         self.drain_flag.unlink(missing_ok=True)  # a run dir given again must not start draining
-        env = server_env(triton, project)
+        env = server_env(triton, project, libpython_dir=link_own_libpython(self.run_dir / "libpython"))
         env[DRAIN_FLAG_ENV] = str(self.drain_flag)
         argv = self.argv(triton.binary, backend_dir)
         shown = [re.sub(rf"{ADMIN_HEADER}=\S+", f"{ADMIN_HEADER}=***", a) for a in argv]

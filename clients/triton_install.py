@@ -12,6 +12,7 @@ import os
 import re
 import shutil
 import sys
+import sysconfig
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -140,10 +141,32 @@ def assemble_backend_dir(dest: Path, triton: TritonInstall, project: Path,
     return dest
 
 
+def link_own_libpython(dest: Path) -> Path | None:
+    """`dest` holding a link to this interpreter's own shared libpython, or None where it has none
+    (a static build: the stub then links the system's libpython of the same version).
+
+    The stub embeds whichever libpython3.X.so.1.0 the loader finds, but imports the standard
+    library and its compiled modules of the Python whose venv it is handed. A system libpython
+    of another patch release cannot load them: Debian's 3.11.2 fails on pyenv 3.11.7's `_ssl`
+    (undefined symbol _PyModule_Add), which huggingface_hub imports through httpx2. A folder
+    with this one file, not the interpreter's whole LIBDIR, so that nothing else is shadowed."""
+    name = sysconfig.get_config_var("INSTSONAME")
+    libdir = sysconfig.get_config_var("LIBDIR")
+    if not (sysconfig.get_config_var("Py_ENABLE_SHARED") and name and libdir and (Path(libdir) / name).is_file()):
+        return None
+    dest.mkdir(parents=True, exist_ok=True)
+    link = dest / name
+    link.unlink(missing_ok=True)
+    link.symlink_to(Path(libdir) / name)
+    return dest
+
+
 def server_env(triton: TritonInstall, project: Path,
-               base: dict[str, str] | None = None) -> dict[str, str]:
+               base: dict[str, str] | None = None, libpython_dir: Path | None = None) -> dict[str, str]:
     env = dict(os.environ if base is None else base)
     add_to_path(env, "LD_LIBRARY_PATH", list(triton.lib_dirs), front=True)
+    if libpython_dir is not None:
+        add_to_path(env, "LD_LIBRARY_PATH", [libpython_dir], front=True)
     # The stub's embedded interpreter does not know about the venv; model.py
     # files call site.addsitedir on each PYTHONPATH entry (for .pth files too).
     # Folders already on PYTHONPATH keep precedence (the GPU machine's bundle pins numpy<2
