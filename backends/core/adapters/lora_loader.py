@@ -65,10 +65,11 @@ class LoraLoaderDied(RuntimeError):
 def python_executable() -> str:
     """The interpreter for spawned workers: this very Python installation's. Not sys.executable
     first: in Triton's Python-backend stub it names the stub binary or whichever `python3` is on
-    PATH, while the stub may run the system libpython (clients/triton_install.link_own_libpython); another build of the same version can lack
+    PATH, while the stub may run the system libpython (where this Python has no shared one:
+    clients/triton_install.link_own_libpython); another build of the same version can lack
     modules the system one has built in (Debian builds `_datetime` into libpython; pyenv's needs
-    its own lib-dynload, which the stub's sys.path lacks). The workers get this process's sys.path
-    from spawn, so they import exactly what this process imports."""
+    its own lib-dynload). The workers get this process's sys.path from spawn, so they import
+    exactly what this process imports."""
     name = f"python{sys.version_info.major}.{sys.version_info.minor}"
     for prefix in (sys.exec_prefix, sys.base_exec_prefix):  # a venv's own first, then its base
         candidate = os.path.join(prefix, "bin", name)
