@@ -1,7 +1,13 @@
 """The public pipeline, run by BLS from the top-level model that a client calls: preprocess,
-text_encoder, a denoiser, vae_decoder, postprocess, with the tensors of
-backends/core/request/contract.py. `easel` (unary) and `easel_stream` (decoupled: a response per
-denoising step, then the image) are this one pipeline (backends/easel_pipeline/model.py).
+text_encoder, a denoiser, vae_decoder, with the tensors of backends/core/request/contract.py, then
+the image file and `info`, encoded here. `easel` (unary) and `easel_stream` (decoupled: a response
+per denoising step, then the image) are this one pipeline (backends/easel_pipeline/model.py).
+
+Why the image is encoded here and not in a model of its own: each hand-off between two stubs
+copies the tensor through shared memory, and a 1024 px image's pixels to an encoder model and its
+file back cost 8-12 ms a request on the CPU dev machine (bench/results/2026-11-24f-cpu/notes.md),
+more than the encode itself at PNG's level 1. The encode runs on the request's worker thread, so
+it overlaps the other requests' steps as a model instance would, without the hops.
 
 Why not an ensemble: in Triton 2.51 a client's cancel (a gRPC cancel, a dropped stream) reaches
 neither an ensemble's steps nor a BLS request, so the denoiser would compute every step of a
@@ -41,7 +47,9 @@ import triton_python_backend_utils as pb_utils
 
 from backends.core.request import contract
 from backends.core.request.adapter_inputs import checked_params
-from backends.core.request.params import Cancelled, InvalidInput, Overloaded
+from backends.core.request.params import Cancelled, GenerateParams, InvalidInput, Overloaded
+from backends.core.request.response_info import response_info
+from backends.core.stages.image_encoding import FORMATS, encode_image
 from backends.core.stages.preview import preview_png
 from backends.denoiser_routing import LeastLoaded
 from backends.load_board import LoadReader
@@ -80,6 +88,15 @@ def _tensor(name: str, value, dtype) -> object:
     return pb_utils.Tensor(name, np.array([value], dtype=dtype))
 
 
+def _encoded(params: GenerateParams, pixels: np.ndarray) -> tuple[object, object]:
+    """The public outputs `image` (the file the request asked for) and `info`."""
+    start = time.perf_counter()
+    image = encode_image(pixels, params.output_format, params.quality)
+    # (`postprocess_s`: the name this stage had as a model of its own, kept for the reports)
+    info = response_info(params.with_trace(postprocess_s=time.perf_counter() - start))
+    return _tensor("image", image, np.object_), _tensor("info", json.dumps(info).encode(), np.object_)
+
+
 class BlsPipeline:
     """The pipeline of one model instance. Progress responses when the model is decoupled."""
 
@@ -101,6 +118,10 @@ class BlsPipeline:
         self.stopping = threading.Event()
         self.watcher = threading.Thread(target=self._watch, name=f"{self.name}-watch", daemon=True)
         self.watcher.start()
+        # Each format's first encode in a process is slow (PNG's thread pool, PIL's plugins): here,
+        # not in a client's request.
+        for fmt in FORMATS:
+            encode_image(np.zeros((512, 512, 3), np.uint8), fmt)
 
     def start(self, request) -> None:
         """Admits `request` and runs it on a worker; every answer goes through its response sender.
@@ -149,8 +170,7 @@ class BlsPipeline:
         latents, params = self._denoise(job, out["params"], out["prompt_embeds"], out["pooled_embeds"],
                                         control_images)
         out = self._call(job, "vae_decoder", contract.VAE_DECODER, [params, latents])
-        out = self._call(job, "postprocess", contract.POSTPROCESS, [out["params"], out["pixels"]])
-        return out["image"], out["info"]
+        return _encoded(GenerateParams.from_json(scalar(out["params"].as_numpy())), out["pixels"].as_numpy())
 
     def _call(self, job: Job, model: str, decl: contract.ModelDecl, inputs: list) -> dict:
         if job.cancelled:

@@ -330,7 +330,7 @@ def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> No
                     result.save(image_path(images, setup.name, "easel", rec["runtime"]))
                 log.info("Easel seed %d: %.3fs (denoise %.3fs)", seed, rec["latency_s"][-1],
                          result.info.get("stages_s", {}).get("denoise_s", float("nan")))
-        # The server's own total (preprocess in to postprocess out) and the denoiser's queue beside the
+        # The server's own total (preprocess in to the image encoded) and the denoiser's queue beside the
         # stages: the client's time less server_total_s is gRPC and the public model's entry and exit.
         stages = []
         for i in rec["infos"]:

@@ -2,7 +2,7 @@
 requests through gRPC: what each model reports of its own work (`info`: the denoiser's queue, each
 stage's seconds), what Triton counts for each model (its per-model statistics: queue, and compute
 from the inputs' copy in to the outputs' copy out, per request), and what is left of the server's
-total (from preprocess's receipt to postprocess's end): the hand-offs between the models (BLS
+total (from preprocess's receipt to the image encoded): the hand-offs between the models (BLS
 calls, tensor copies through shared memory, the stubs' message queues) and the adapters' Python.
 
 Why statistics and not Triton's request traces: `easel` calls the models by BLS from a worker
@@ -37,7 +37,7 @@ from bench.common import bench_parser, random_sdxl, start_logging, tiny
 
 log = logging.getLogger("bench.pipeline_trace")
 # The models `easel` calls one after the other, but the denoiser (see above).
-STAGES = ("preprocess", "text_encoder", "vae_decoder", "postprocess")
+STAGES = ("preprocess", "text_encoder", "vae_decoder")
 PARTS = ("queue", "compute_input", "compute_infer", "compute_output")
 
 
@@ -172,7 +172,10 @@ def main() -> None:
               "denoiser_queue_s": statistics.median(i["queue_s"] for i in infos),
               "denoiser_admit_s": statistics.median(i["admit_s"] for i in infos), "stages_s": stages,
               "between_models_s": statistics.median(
-                  i["total_s"] - i["queue_s"] - sum(i["stages_s"].values()) for i in infos)}
+                  i["total_s"] - i["queue_s"] - sum(i["stages_s"].values()) for i in infos),
+              # everything that is no model's own work, gRPC and the public model's entry and exit too
+              "outside_stages_s": statistics.median(
+                  c - i["queue_s"] - sum(i["stages_s"].values()) for c, i in zip(latencies, infos))}
     for name in STAGES:
         if name in models:
             row = models[name]
@@ -182,8 +185,8 @@ def main() -> None:
     log.info("their own accounts: denoiser queue %.4f s (admission %.4f), %s", median["denoiser_queue_s"],
              median["denoiser_admit_s"],
              ", ".join(f"{stage} {seconds:.4f}" for stage, seconds in stages.items()))
-    log.info("server total %.4f s, of which between the models %.4f s; client %.4f s", median["total_s"],
-             median["between_models_s"], median["client_s"])
+    log.info("server total %.4f s, of which between the models %.4f s; client %.4f s, of which outside the stages "
+             "%.4f s", median["total_s"], median["between_models_s"], median["client_s"], median["outside_stages_s"])
     report = {"size": size, "steps": args.steps, "repository": str(repo),
               "runtime": "eager" if args.cpu else (args.runtime if args.repo is None else "the repository's"),
               "client_s": latencies, "infos": infos, "models": models, "median": median}

@@ -21,18 +21,19 @@ from backends.core.runtime.placement import DTYPE_NAMES, Placement
 from backends.core.engine.config import DenoiserConfig
 from backends.core.engine.denoiser import VAE_SCALE_FACTOR_FILE
 from backends.core.runtime.config import RUNTIME_KINDS, RuntimeConfig, check_fp8_parts, default_kind
-from backends.core.request.params import Limits, validate
+from backends.core.request.params import Limits
 from backends.core.stages.text_encoding import OPTIONS_FILE
 
-from .triton_config import DRAINING_VERSION, Instances, WarmupInput, python_model, warmup
+from .triton_config import DRAINING_VERSION, Instances, python_model
 
 log = logging.getLogger(__name__)
 
 VERSION = "1"
 # Models earlier exports wrote and this one does not: `generate` (the ensemble's hand-off to the
-# denoisers, before the public models ran the pipeline by BLS). A stale folder would keep
-# tritonserver from starting (its backend is gone), so an export into the same folder removes it.
-RETIRED_MODELS = ("generate",)
+# denoisers, before the public models ran the pipeline by BLS) and `postprocess` (the image
+# encoder, before the pipeline encoded the image itself). A stale folder would keep tritonserver
+# from starting (its backend is gone), so an export into the same folder removes it.
+RETIRED_MODELS = ("generate", "postprocess")
 
 
 @dataclass(frozen=True)
@@ -50,7 +51,6 @@ class ExportOptions:
     default_steps: int = 30
     # Requests each public model (easel, easel_stream) runs at once; past it: UNAVAILABLE at once.
     max_in_flight: int = 56
-    postprocess_instances: int = 4  # image encoders (CPU)
     max_running: int = 16
     max_queue: int = 48  # per denoiser, beyond max_running; past it requests are refused (UNAVAILABLE)
     max_batch_rows: int = 16
@@ -301,24 +301,11 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
          "attention_dtype": options.resolved_vae_attention,
          **({"vae_dtype": options.vae_dtype} if options.vae_dtype else {})}))
 
-    # CPU-only steps: validation, PNG encoding.
+    # CPU-only: validation. (The image file is encoded by the pipeline itself: backends/bls_pipeline.py.)
     cpu = Instances("KIND_CPU", 1)
     model = _fresh_model_dir(repo, "preprocess")
     (model / "config.pbtxt").write_text(python_model(
         "preprocess", "easel_preprocess", contract.PREPROCESS, cpu, {"limits": limits.to_json()}))
-    # Image encoding is CPU-bound and single-threaded (PNG: 0.17-0.22 s at 1024 px on the H200
-    # host): several instances, so that requests finishing together do not queue behind it.
-    # Triton warms each instance with one small image: an instance's first request through the
-    # Python backend took 25-40 ms more than the next (measured on the CPU machine, 256 px), which
-    # requests landing on fresh instances paid.
-    model = _fresh_model_dir(repo, "postprocess")
-    side = limits.min_size
-    # A fixed seed: the same export writes the same bytes.
-    first = validate({"prompt": "warm-up", "width": side, "height": side, "seed": 0}, limits).to_json()
-    (model / "config.pbtxt").write_text(python_model(
-        "postprocess", "easel_postprocess", contract.POSTPROCESS, Instances("KIND_CPU", options.postprocess_instances),
-        checks, warmup=warmup(model, [WarmupInput("params", "BYTES", (1,), first),
-                                      WarmupInput("pixels", "UINT8", (side, side, 3))])))
 
     # The public models: the pipeline by BLS (backends/bls_pipeline.py), unary and streaming. One
     # instance each runs many requests at once (a thread waits on the models for each), bounded

@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import struct
 from dataclasses import dataclass
-from pathlib import Path
 
 from backends.core.request.contract import ModelDecl, TensorDecl
 
@@ -39,40 +37,11 @@ def _quote(value: str) -> str:
     return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
 
 
-@dataclass(frozen=True)
-class WarmupInput:
-    """One input of a warm-up request that Triton sends each instance before the model is ready:
-    zeros of `dims`, or for BYTES one element, `data`."""
-
-    name: str
-    dtype: str  # the protocol's name, as TensorDecl's
-    dims: tuple[int, ...]
-    data: bytes | None = None
-
-
-def warmup(model_dir: Path, inputs: list[WarmupInput]) -> str:
-    """The config's model_warmup for one request of `inputs`; writes the BYTES inputs' files
-    into <model>/warmup/, serialized as Triton reads them (each element: uint32 length, bytes)."""
-    fields = []
-    for t in inputs:
-        dtype = "STRING" if t.dtype == "BYTES" else t.dtype
-        if t.data is None:
-            source = "zero_data: true"
-        else:
-            (model_dir / "warmup").mkdir(exist_ok=True)
-            (model_dir / "warmup" / t.name).write_bytes(struct.pack("<I", len(t.data)) + t.data)
-            source = f'input_data_file: "{t.name}"'
-        fields.append(f'inputs {{ key: "{t.name}" value {{ data_type: TYPE_{dtype} '
-                      f'dims: [ {", ".join(map(str, t.dims))} ] {source} }} }}')
-    return f'model_warmup [ {{ name: "first_request" batch_size: 1 {" ".join(fields)} }} ]'
-
-
 def python_model(name: str, backend: str, decl: ModelDecl, instances: Instances,
-                 params: dict[str, str] | None = None, decoupled: bool = False, spare_version: bool = False,
-                 warmup: str | None = None) -> str:
+                 params: dict[str, str] | None = None, decoupled: bool = False, spare_version: bool = False) -> str:
     """A model served by one of our Python-based backends (backends/<backend>/model.py).
     `spare_version`: a public model, which `easel serve` drains by a version switch (it serves
-    SERVING_VERSION; the caller writes the DRAINING_VERSION folder). `warmup`: from warmup()."""
+    SERVING_VERSION; the caller writes the DRAINING_VERSION folder)."""
     parts = [
         f'name: "{name}"',
         f'backend: "{backend}"',
@@ -85,8 +54,6 @@ def python_model(name: str, backend: str, decl: ModelDecl, instances: Instances,
         parts.append("model_transaction_policy { decoupled: true }")
     if spare_version:
         parts.append(f"version_policy: {{ specific: {{ versions: [ {SERVING_VERSION} ] }} }}")
-    if warmup:
-        parts.append(warmup)
     return "\n".join(parts) + "\n" + _parameters(params or {})
 
 

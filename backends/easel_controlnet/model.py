@@ -33,7 +33,7 @@ from backends.core.request.params import InvalidInput, UnknownAdapter  # noqa: E
 from backends.core.runtime.compile_cache import use_compile_cache  # noqa: E402
 from backends.core.adapters.controlnet_cache import ControlNetCache  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
-    Metrics, adapter_store_folder, drop_metrics, each_request, parameters, placement, scalar, setup_logging,
+    Metrics, adapter_store_folder, drop_metrics, each_request, parameters, placement, scalar, setup_stub,
     version_folder)
 
 
@@ -94,7 +94,7 @@ def _optional(request, name: str):
 
 class TritonPythonModel:
     def initialize(self, args):
-        setup_logging()
+        setup_stub()
         params = parameters(args)
         self.placement = placement(args)
         self.device = torch.device(self.placement.device)

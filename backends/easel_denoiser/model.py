@@ -43,7 +43,7 @@ from backends.core.request.params import InvalidInput  # noqa: E402
 from backends.core.runtime.unet_split import num_skips  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
     adapter_store_folder, artifact_folder, code_of, drop_metrics, error, failure, holds_execute_lock, input_array,
-    is_cancelled, mark, parameters, params_tensor, placement, public_message, read_params, scalar, setup_logging)
+    is_cancelled, mark, parameters, params_tensor, placement, public_message, read_params, scalar, setup_stub)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("backends.easel_denoiser")
@@ -63,7 +63,7 @@ def _scalar(request, name: str):
 
 class TritonPythonModel:
     def initialize(self, args):
-        setup_logging()
+        setup_stub()
         # The loop thread launches kernels from Python while BLS threads wait for the GIL to hand
         # ControlNet tensors over; the default 5 ms switch interval delays each hand-off by up to
         # that much (bench/bls_transport.py measures it).

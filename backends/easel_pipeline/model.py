@@ -15,12 +15,12 @@ for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
 sys.path[:] = [p for p in sys.path if p not in _own] + _own
 
 from backends.bls_pipeline import BlsPipeline  # noqa: E402
-from backends.triton_adapter import holds_execute_lock, setup_logging  # noqa: E402
+from backends.triton_adapter import holds_execute_lock, setup_stub  # noqa: E402
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        setup_logging()
+        setup_stub()
         self.pipeline = BlsPipeline(args)
 
     @holds_execute_lock

@@ -22,7 +22,7 @@ from backends.core.request.contract import PREPROCESS  # noqa: E402
 from backends.core.request.adapter_inputs import validate_request  # noqa: E402
 from backends.core.request.params import Limits  # noqa: E402
 from backends.triton_adapter import (each_request, error, mark, parameters, params_tensor, read_inputs,  # noqa: E402
-                                     scalar, setup_logging, wants_marks)
+                                     scalar, setup_stub, wants_marks)
 
 log = logging.getLogger("backends.preprocess")
 
@@ -36,7 +36,7 @@ DRAINING = "the server is draining (shutting down); retry on another replica"
 
 class TritonPythonModel:
     def initialize(self, args):
-        setup_logging()
+        setup_stub()
         self.limits = Limits.from_json(parameters(args)["limits"])
         self.drain_flag = os.environ.get(DRAIN_FLAG_ENV) or None
         self.draining = False

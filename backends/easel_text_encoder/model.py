@@ -23,12 +23,12 @@ from backends.core.stages.text_encoding import PromptEncoder  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
     limits,
     adapter_store_folder, artifact_folder, each_request, parameters, params_tensor, placement, read_params,
-    setup_logging)
+    setup_stub)
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        setup_logging()
+        setup_stub()
         self.limits = limits(args)
         store_folder = adapter_store_folder(args)  # LoRAs' text-encoder layers apply here
         self.encoder = PromptEncoder(artifact_folder(args), placement(args),

@@ -23,12 +23,12 @@ from backends.core.runtime.placement import Placement  # noqa: E402
 from backends.core.stages.vae_decoding import LatentDecoder  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
     limits,
-    artifact_folder, each_request, parameters, params_tensor, placement, read_params, setup_logging)
+    artifact_folder, each_request, parameters, params_tensor, placement, read_params, setup_stub)
 
 
 class TritonPythonModel:
     def initialize(self, args):
-        setup_logging()
+        setup_stub()
         self.limits = limits(args)
         params = parameters(args)
         flags = {k: params.get(k, "false") == "true" for k in ("graphs", "fused_kernels")}

@@ -27,7 +27,7 @@ from backends.core.runtime.unet_split import split_unet
 from clients.serve import TritonServer
 from export.repository import ExportOptions, export_repository
 
-MODELS = ("easel", "easel_stream", "preprocess", "text_encoder", "vae_decoder", "postprocess")
+MODELS = ("easel", "easel_stream", "preprocess", "text_encoder", "vae_decoder")
 PUBLIC_MODELS = ("easel", "easel_stream")
 PICKLE_SUFFIXES = {".bin", ".pt", ".pth", ".ckpt", ".pkl", ".pickle"}
 Config = model_config_pb2.ModelConfig
@@ -84,8 +84,7 @@ def test_every_config_parses_and_is_named_after_its_folder(repo):
 def test_configs_declare_the_contract(cpu_repo):
     parsed = configs(cpu_repo)
     decls = dict(easel=contract.PUBLIC, easel_stream=contract.STREAM, preprocess=contract.PREPROCESS,
-                 text_encoder=contract.TEXT_ENCODER, denoiser=contract.DENOISER, vae_decoder=contract.VAE_DECODER,
-                 postprocess=contract.POSTPROCESS)
+                 text_encoder=contract.TEXT_ENCODER, denoiser=contract.DENOISER, vae_decoder=contract.VAE_DECODER)
     for name, decl in decls.items():
         config = parsed[name]
         assert [t.name for t in config.input] == [t.name for t in decl.inputs]
@@ -203,31 +202,12 @@ def test_denoiser_config_is_typed_and_strict(tiny_model, tmp_path):
         DenoiserConfig.from_json(json.dumps({**data, "max_queue": -1}))
 
 
-def test_postprocess_instances_are_warmed_with_a_valid_request(repo):
-    """Triton sends each postprocess instance one small image before ready: params its own checks
-    accept (a bad warm-up request would stop the model from loading), pixels of their size."""
-    import struct
-
-    from backends.core.request.adapter_inputs import checked_params
-
-    config = configs(repo)["postprocess"]
-    (sample,) = config.model_warmup
-    inputs = dict(sample.inputs)
-    assert set(inputs) == {t.name for t in contract.POSTPROCESS.inputs}
-    raw = (repo / "postprocess" / "warmup" / inputs["params"].input_data_file).read_bytes()
-    (length,) = struct.unpack_from("<I", raw)
-    assert length == len(raw) - 4
-    limits = Limits.from_json(params_of(config)["limits"])
-    params = checked_params(raw[4:], limits)
-    assert list(inputs["pixels"].dims) == [params.height, params.width, 3] and inputs["pixels"].zero_data
-
-
 def test_every_model_that_reads_params_gets_the_limits(tiny_model, tmp_path):
     """Internal models re-check params against them (Triton cannot hide those models)."""
     repo = export_repository(tiny_model, tmp_path / "repo", ExportOptions(max_queue=5, max_in_flight=13))
     parsed = configs(repo)
     limits = params_of(parsed["preprocess"])["limits"]
-    for name in ("text_encoder", "easel", "easel_stream", "vae_decoder", "postprocess"):
+    for name in ("text_encoder", "easel", "easel_stream", "vae_decoder"):
         assert params_of(parsed[name])["limits"] == limits, name
     assert DenoiserConfig.from_json(params_of(parsed["denoiser"])["denoiser"]).max_queue == 5
     # the public models' requests in flight are bounded too (past it: UNAVAILABLE at once)
@@ -237,11 +217,13 @@ def test_every_model_that_reads_params_gets_the_limits(tiny_model, tmp_path):
 
 def test_an_export_over_an_older_one_removes_retired_models(tiny_model, tmp_path):
     """A stale `generate` (the ensemble's step, its backend gone) would keep tritonserver from starting."""
-    stale = tmp_path / "repo" / "generate" / "1"
-    stale.mkdir(parents=True)
-    (stale.parent / "config.pbtxt").write_text('name: "generate"\nbackend: "easel_generate"\n')
+    for name in ("generate", "postprocess"):  # (postprocess: the image encoder, now the pipeline's own)
+        stale = tmp_path / "repo" / name / "1"
+        stale.mkdir(parents=True)
+        (stale.parent / "config.pbtxt").write_text(f'name: "{name}"\nbackend: "easel_{name}"\n')
     repo = export_repository(tiny_model, tmp_path / "repo")
-    assert not (repo / "generate").exists() and set(MODELS) <= set(configs(repo))
+    assert not (repo / "generate").exists() and not (repo / "postprocess").exists()
+    assert set(MODELS) <= set(configs(repo))
 
 
 def test_cuda_export_writes_one_denoiser_per_gpu(cuda_repo):

@@ -108,7 +108,7 @@ MAX_PARAMS_BYTES = 1 << 18
 def checked_params(data: bytes | str, limits: Limits) -> GenerateParams:
     """The params an internal model received, checked again against the deployment's limits.
 
-    Triton cannot hide the internal models (denoiser, text_encoder, vae_decoder, postprocess): a
+    Triton cannot hide the internal models (denoiser, text_encoder, vae_decoder): a
     client may call any of them with params preprocess never saw. So every model parses its
     params here, and they pass the same rules as a public request."""
     if len(data) > MAX_PARAMS_BYTES:

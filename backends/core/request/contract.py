@@ -96,7 +96,6 @@ DENOISER = ModelDecl(
     outputs=(PARAMS, LATENTS, _t("error", "BYTES", 1)),
 )
 VAE_DECODER = ModelDecl(inputs=(PARAMS, LATENTS), outputs=(PARAMS, PIXELS))
-POSTPROCESS = ModelDecl(inputs=(PARAMS, PIXELS), outputs=PUBLIC.outputs)
 
 # The public model `easel_stream` (decoupled, gRPC streaming): `easel`'s inputs, and `preview_every`
 # (0 or absent: no previews). One response per denoising step carries `step`, `steps`, `elapsed_s`

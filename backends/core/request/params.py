@@ -127,7 +127,7 @@ class GenerateParams:
     scheduler: str
     controls: tuple[ControlParams, ...] = ()
     loras: tuple[LoraParams, ...] = ()
-    # How postprocess encodes the image (backends/core/stages/image_encoding.py); quality None
+    # How the pipeline encodes the image (backends/core/stages/image_encoding.py); quality None
     # is the format's default.
     output_format: str = DEFAULT_FORMAT
     quality: int | None = None

@@ -2,7 +2,7 @@
 
 Torch-free, and PIL is imported only when an image is encoded, so that request validation
 (backends/core/request/params.py) can read the constants without it. The encode runs on the
-critical path in `postprocess`, hence settings chosen for speed over the last few percent of size.
+critical path in the pipeline (backends/bls_pipeline.py), hence settings chosen for speed over the last few percent of size.
 
 Measured with Pillow 13.0.0 (zlib 1.2.13, libwebp 1.6.0, libjpeg-turbo) on a 1024x1024 RGB
 photo-like image (smooth colour field + mid-frequency texture + edges + Gaussian noise sigma 3),
