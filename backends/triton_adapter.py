@@ -78,9 +78,10 @@ class TritonLogHandler(logging.Handler):
 # glibc's malloc keeps this much above the top of a heap it grows or trims (M_TOP_PAD). The stubs
 # move each image's megabytes through freshly allocated buffers (numpy arrays, the bytes of a BYTES
 # tensor); with glibc's default pad of 128 KiB, a buffer that is freed hands its pages back and the
-# next request faults zeroed pages in again. On the CPU dev machine (bench notes of 2026-11-24f),
-# a 1024 px request's hand-offs between the models and to its client fell from 23-26 ms to
-# 18-19 ms with it; tritonserver's own process gained nothing more from the same setting.
+# next request faults zeroed pages in again. On the CPU dev machine
+# (bench/results/2026-11-24f-cpu/notes.md) a 1024 px request's hand-offs between the models and to
+# its client fell from 23-26 ms to 18-19 ms with it; setting it for tritonserver's own process as
+# well (MALLOC_TOP_PAD_) gained nothing more.
 MALLOC_TOP_PAD_BYTES = 64 << 20
 _M_TOP_PAD = -2  # glibc's malloc.h
 
