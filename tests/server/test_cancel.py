@@ -13,6 +13,8 @@ from tritonclient.utils import InferenceServerException
 from clients.client import EaselClient, EaselError, GenerateRequest, build_inputs
 from tests.server.conftest import metric_total, metric_values
 
+# backends/denoiser_metrics.StepMetrics.PERIOD_S (that module needs Triton's stub to import)
+STEP_METRICS_PERIOD_S = 0.5
 LONG = dict(seed=1, steps=200, width=256, height=256)  # several seconds of CPU denoising (3.6 s on 2 cores)
 
 
@@ -20,6 +22,17 @@ def counters(server) -> tuple[float, float]:
     cancelled = sum(v for labels, v in metric_values(server, "easel_requests_total").items()
                     if 'outcome="cancelled"' in labels)
     return cancelled, metric_total(server, "easel_denoise_steps_total")
+
+
+def settled_total(server, name: str) -> float:
+    """`name`'s total once a whole flush period of the step metrics passed without it moving."""
+    total = metric_total(server, name)
+    while True:
+        time.sleep(STEP_METRICS_PERIOD_S + 0.2)
+        again = metric_total(server, name)
+        if again == total:
+            return total
+        total = again
 
 
 def wait_for_cancel(server, before: tuple[float, float], timeout: float = 30.0) -> float:
@@ -65,8 +78,9 @@ def test_a_grpc_cancel_of_a_unary_request_stops_the_denoiser(server):
     2.51 passes the cancel on to none of its steps)."""
     before = counters(server)
     # Steps reach easel_denoise_steps_total when a request ends; the step histogram counts them as
-    # they run (flushed every 0.5 s).
-    ran = metric_total(server, "easel_denoiser_step_rows_count")
+    # they run, flushed every STEP_METRICS_PERIOD_S: an earlier test's last steps may still be on
+    # their way, and counted as this request's they let the cancel come after one step, not two.
+    ran = settled_total(server, "easel_denoiser_step_rows_count")
     client = grpcclient.InferenceServerClient(server.url_grpc)
     inputs = build_inputs(GenerateRequest("a lighthouse", **LONG), "grpc")
     call = client.async_infer("easel", inputs, callback=lambda result, error: None)
