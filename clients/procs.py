@@ -164,12 +164,30 @@ def stub_instances(server_pid: int) -> dict[int, str]:
     return stubs
 
 
-def kill_all(pids: Iterable[int]) -> None:
-    for pid in pids:
+def identity(pid: int) -> tuple[int, int] | None:
+    """(pid, start time in clock ticks since boot) of a live process, None for a gone one. A pid
+    alone names another process once its own has exited and the kernel reuses the number: on
+    hosts with pid_max 32768 that happens within one test run."""
+    fields = _stat_fields(pid)
+    return None if fields is None or fields[0] in ("Z", "X") else (pid, int(fields[19]))
+
+
+def kill_all(identities: Iterable[tuple[int, int] | None]) -> None:
+    """SIGKILL each process that still is the one `identity` saw (never a reused pid)."""
+    for ident in identities:
+        if ident is None or identity(ident[0]) != ident:
+            continue
         try:
-            os.kill(pid, signal.SIGKILL)
+            os.kill(ident[0], signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def stub_of(pid: int, region_prefix: str) -> bool:
+    """Whether `pid` is a Python backend stub of the server whose regions are named by
+    `region_prefix` (its argv's region, see stub_instances: unique to one server start)."""
+    argv = cmdline(pid)
+    return len(argv) > 2 and os.path.basename(argv[0]) == STUB_NAME and argv[2].startswith(region_prefix)
 
 
 def port_in_use(port: int, host: str = "0.0.0.0") -> bool:

@@ -321,8 +321,10 @@ class TritonServer:
         atexit.unregister(self.stop)
         if self.proc is None:
             return None
-        # Only while our child is alive (or an unreaped zombie) is its pid surely still its own.
-        family = procs.descendants(self.proc.pid) if self.proc.poll() is None else []
+        # Only while our child is alive (or an unreaped zombie) is its pid surely still its own;
+        # its descendants are held by identity (pid and start time), as their pids may be reused
+        # once they exit during the grace period.
+        family = [procs.identity(p) for p in procs.descendants(self.proc.pid)] if self.proc.poll() is None else []
         if self.proc.poll() is None:
             self.proc.send_signal(signum)
             try:
@@ -347,22 +349,23 @@ class TritonServer:
         atexit.unregister(self.stop)
         if self.proc is None:
             return None
-        family = procs.descendants(self.proc.pid) if self.proc.poll() is None else []
+        family = [procs.identity(p) for p in procs.descendants(self.proc.pid)] if self.proc.poll() is None else []
         self.proc.kill()
         self.proc.wait()
         self._reap(family)
         return self.proc.returncode
 
-    def _reap(self, family: list[int]) -> None:
+    def _reap(self, family: list[tuple[int, int] | None]) -> None:
         if self._guard is not None:
             self._guard.halt()
         # Stubs exit on their own once the server is gone, but a killed server never unlinks
         # its /dev/shm regions, and a stub stuck in C code may not notice for a while.
-        # A server that is already gone left no tree to walk: its stubs seen at readiness (if
-        # those pids are still stubs) stand in.
-        family = family or [pid for pid in self._stubs
-                            if procs.cmdline(pid)[:1] and procs.cmdline(pid)[0].endswith(procs.STUB_NAME)]
-        procs.kill_all(pid for pid in family if procs.pid_alive(pid))
+        # A server that is already gone left no tree to walk: its stubs seen at readiness stand
+        # in, those whose pid still names a stub of this server (its regions' prefix is in the
+        # stub's argv), not another server's stub that was given the same pid since.
+        family = family or [procs.identity(pid) for pid in self._stubs
+                            if self.region_prefix and procs.stub_of(pid, self.region_prefix)]
+        procs.kill_all(family)
         if self.region_prefix:
             removed = procs.remove_regions(self.region_prefix)
             if removed:

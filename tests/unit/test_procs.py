@@ -78,3 +78,21 @@ def test_child_dies_with_its_parent():
     while procs.pid_alive(pid):
         assert time.monotonic() < deadline, "the child outlived its parent"
         time.sleep(0.05)
+
+
+def test_kill_all_spares_a_process_that_is_not_the_one_seen():
+    """A pid seen earlier may name another process by the time it is killed (pid reuse): kill_all
+    takes identities (pid, start time) and kills only a process that still matches one."""
+    proc = subprocess.Popen(["sleep", "60"])
+    try:
+        seen = procs.identity(proc.pid)
+        assert seen is not None and seen[0] == proc.pid
+        procs.kill_all([(proc.pid, seen[1] + 1), None])  # the same pid, started at another time
+        time.sleep(0.2)
+        assert proc.poll() is None, "a process that was not the one seen was killed"
+        procs.kill_all([seen])
+        assert proc.wait(timeout=5) == -9
+        assert procs.identity(proc.pid) is None
+    finally:
+        proc.kill()
+        proc.wait()

@@ -115,6 +115,18 @@ def test_ready_and_infer_http_grpc(server):
     np.testing.assert_array_equal(_infer(grpcclient, server.url_grpc, "add_be"), expected + 100)
 
 
+def test_its_stubs_are_told_apart_from_other_servers_stubs(server):
+    """What stop() falls back on when the server is already gone: a pid it saw as a stub is killed
+    only while it is still a stub of this server (a reused pid may be another server's stub)."""
+    from clients import procs
+
+    assert server._stubs
+    for pid in server._stubs:
+        assert procs.stub_of(pid, server.region_prefix)
+        assert not procs.stub_of(pid, procs.region_prefix(owner=1))
+    assert not procs.stub_of(os.getpid(), server.region_prefix)
+
+
 def test_backend_dir_holds_real_copies(server):
     backends = server.run_dir / "backends"
     for rel in ("python/libtriton_python.so", "python/triton_python_backend_stub",
