@@ -39,12 +39,12 @@ def pytest_runtest_makereport(item, call):
             report.sections.append((f"tritonserver `{name}` exited with {value.proc.returncode}", tail))
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def tiny_repo(tiny_model, tmp_path_factory):
     return tmp_path_factory.mktemp("repos") / "tiny"
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def server(tiny_model, tiny_repo):
     srv = start_server(tiny_model, tiny_repo)
     srv.wait_ready()
@@ -52,7 +52,7 @@ def server(tiny_model, tiny_repo):
     srv.stop()
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def shared(tiny_model, tmp_path_factory):
     """A second server: two CPU denoisers sharing one ControlNet service, on a copy of the tiny
     store with broken adapters added (tests/server/test_controlnet_service.py, test_lora.py). Each
