@@ -321,10 +321,7 @@ class TritonServer:
         atexit.unregister(self.stop)
         if self.proc is None:
             return None
-        # Only while our child is alive (or an unreaped zombie) is its pid surely still its own;
-        # its descendants are held by identity (pid and start time), as their pids may be reused
-        # once they exit during the grace period.
-        family = [procs.identity(p) for p in procs.descendants(self.proc.pid)] if self.proc.poll() is None else []
+        family = self._family()
         if self.proc.poll() is None:
             self.proc.send_signal(signum)
             try:
@@ -349,11 +346,17 @@ class TritonServer:
         atexit.unregister(self.stop)
         if self.proc is None:
             return None
-        family = [procs.identity(p) for p in procs.descendants(self.proc.pid)] if self.proc.poll() is None else []
+        family = self._family()
         self.proc.kill()
         self.proc.wait()
         self._reap(family)
         return self.proc.returncode
+
+    def _family(self) -> list[tuple[int, int] | None]:
+        """The server's descendants by identity (pid and start time: their pids may be reused once
+        they exit during a stop's grace period). Only while our child is alive (or an unreaped
+        zombie) is its pid surely still its own, so a gone server has none."""
+        return [procs.identity(p) for p in procs.descendants(self.proc.pid)] if self.proc.poll() is None else []
 
     def _reap(self, family: list[tuple[int, int] | None]) -> None:
         if self._guard is not None:
