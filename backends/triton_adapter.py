@@ -19,6 +19,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backends.core.runtime.placement import Placement
+from backends.stub_checks import numpy_refusal
 from backends.core.request.contract import ModelDecl
 from backends.core.request.adapter_inputs import checked_params
 from backends.core.request.params import (Cancelled, GenerateParams, InvalidInput, Limits, Overloaded, UnknownAdapter,
@@ -88,9 +89,13 @@ _M_TOP_PAD = -2  # glibc's malloc.h
 
 def setup_stub() -> None:
     """What every model's `initialize` sets up for its stub process: Triton's log for the
-    `backends` loggers, and malloc's top pad (MALLOC_TOP_PAD_BYTES; a process-wide setting, so
-    a deployment's own tritonserver command needs nothing for it)."""
+    `backends` loggers, a refusal to run on numpy 2 (stub_checks), and malloc's top pad
+    (MALLOC_TOP_PAD_BYTES; a process-wide setting, so a deployment's own tritonserver command
+    needs nothing for it)."""
     _setup_logging()
+    refusal = numpy_refusal(np.__version__, np.__file__)
+    if refusal:
+        raise RuntimeError(refusal)
     try:
         libc = ctypes.CDLL(None)
         if not libc.mallopt(_M_TOP_PAD, MALLOC_TOP_PAD_BYTES):
