@@ -1,0 +1,120 @@
+"""A request's admission on the denoise loop's thread, in one process (no Triton): what
+`TorchDenoiser.start` costs and where its time goes (cProfile), and the queue before a request's
+first step through the real DenoiseLoop. In the server the same figures are `admit_s` and
+`queue_s` of a response's info; this tells whether their size there is the work itself or the
+stub around it.
+
+    python3 -m bench.admission_micro --work /tmp/am --out $OUT/admission_micro.json
+    python3 -m bench.admission_micro --work /tmp/am --out /tmp/am.json --cpu --size 256  # tiny model
+"""
+
+from __future__ import annotations
+
+import cProfile
+import io
+import logging
+import pstats
+import statistics
+import threading
+import time
+
+from bench.common import bench_parser, random_sdxl_denoiser, start_logging, tiny, write_json
+
+log = logging.getLogger("bench.admission_micro")
+
+
+def main() -> None:
+    p = bench_parser(__doc__, size=1024, steps=50)
+    p.add_argument("--runs", type=int, default=30)
+    p.add_argument("--loop-runs", type=int, default=10, help="requests of 2 steps through the loop")
+    p.add_argument("--cpu", action="store_true", help="the tiny model on CPU")
+    args = p.parse_args()
+    start_logging()
+
+    import torch
+
+    from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+    from backends.core.engine.loop import DenoiseLoop
+    from backends.core.engine.scheduler import SchedulerConfig
+    from backends.core.request.params import Limits, validate
+    from backends.core.runtime.placement import Placement
+
+    args.work.mkdir(parents=True, exist_ok=True)
+    if args.cpu:
+        from export.repository import ExportOptions, export_repository
+
+        repo = args.work / "repo-cpu"
+        if not (repo / "denoiser").exists():
+            export_repository(tiny(args.work), repo, ExportOptions(device="cpu", max_size=max(args.size, 256)))
+        folder, placement = repo / "denoiser" / "1", Placement()
+    else:
+        folder, placement = random_sdxl_denoiser(args.work), Placement(device="cuda:0", dtype="fp16")
+    engine = TorchDenoiser(folder, placement)
+    cfg = engine.unet.config
+    pooled_dim = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+    embeds = torch.randn(2, 77, cfg.cross_attention_dim).half().numpy()
+    pooled = torch.randn(2, pooled_dim).half().numpy()
+
+    def job(rid: str, steps: int, seed: int) -> DenoiseJob:
+        params = validate({"prompt": "a yellow car", "steps": steps, "width": args.size, "height": args.size,
+                           "seed": seed, "guidance_scale": 5.0}, Limits())
+        return DenoiseJob(request_id=rid, params=params, prompt_embeds=embeds, pooled_embeds=pooled)
+
+    sync = torch.cuda.synchronize if not args.cpu else (lambda: None)
+    with engine.on_stream():
+        engine.start(job("warm", args.steps, 0))
+        sync()
+        start_s, synced_s = [], []
+        for i in range(args.runs):
+            j = job(f"s{i}", args.steps, i)
+            t0 = time.perf_counter()
+            engine.start(j)
+            t1 = time.perf_counter()
+            sync()
+            start_s.append(t1 - t0)
+            synced_s.append(time.perf_counter() - t0)
+        profiler = cProfile.Profile()
+        profiler.enable()
+        for i in range(args.runs):
+            engine.start(job(f"p{i}", args.steps, i))
+        profiler.disable()
+        sync()
+    text = io.StringIO()
+    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
+
+    done = threading.Event()
+    results = []
+
+    def on_done(result):
+        results.append(result)
+        done.set()
+
+    loop = DenoiseLoop(engine, on_done, SchedulerConfig(max_running=1, max_batch_rows=2))
+    loop.start()
+    for i in range(args.loop_runs + 1):  # the first warms the eager UNet up
+        done.clear()
+        loop.submit(job(f"l{i}", 2, i))
+        done.wait(600)
+    loop.shutdown()
+    measured = results[1:]
+
+    def summary(values: list[float]) -> dict:
+        return {"median_ms": 1e3 * statistics.median(values), "min_ms": 1e3 * min(values),
+                "max_ms": 1e3 * max(values)}
+
+    report = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "size": args.size, "steps": args.steps, "runs": args.runs,
+              "start": summary(start_s), "start_then_synchronize": summary(synced_s),
+              "loop_queue": summary([r.queue_s for r in measured]),
+              "loop_admit": summary([r.admit_s for r in measured]),
+              "loop_queue_less_admit": summary([r.queue_s - r.admit_s for r in measured]),
+              "cprofile_cumulative": text.getvalue()}
+    for key in ("start", "start_then_synchronize", "loop_queue", "loop_admit", "loop_queue_less_admit"):
+        log.info("%-24s median %.3f ms (%.3f-%.3f)", key, report[key]["median_ms"], report[key]["min_ms"],
+                 report[key]["max_ms"])
+    log.info("cProfile of %d starts, by cumulative time:\n%s", args.runs, text.getvalue())
+    write_json(args.out, report)
+
+
+if __name__ == "__main__":
+    main()
