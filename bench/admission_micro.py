@@ -60,6 +60,22 @@ def main() -> None:
                            "seed": seed, "guidance_scale": 5.0}, Limits())
         return DenoiseJob(request_id=rid, params=params, prompt_embeds=embeds, pooled_embeds=pooled)
 
+    from backends.core.engine import noise
+
+    recipe = noise.choose(placement.torch_dtype)
+    latent = (1, cfg.in_channels, args.size // engine.vae_scale_factor, args.size // engine.vae_scale_factor)
+    generator = torch.Generator("cpu").manual_seed(0)
+    draws = {}
+    for name, draw in (("torch_randn", lambda: torch.randn(latent, generator=generator, dtype=placement.torch_dtype)),
+                       ("cpu_randn", lambda: noise.cpu_randn(latent, generator, placement.torch_dtype))):
+        draw()
+        times = []
+        for _ in range(args.runs):
+            t0 = time.perf_counter()
+            draw()
+            times.append(time.perf_counter() - t0)
+        draws[name] = times
+
     sync = torch.cuda.synchronize if not args.cpu else (lambda: None)
     with engine.on_stream():
         engine.start(job("warm", args.steps, 0))
@@ -104,12 +120,15 @@ def main() -> None:
 
     report = {"device": "cpu" if args.cpu else torch.cuda.get_device_name(0), "torch": torch.__version__,
               "size": args.size, "steps": args.steps, "runs": args.runs,
+              "noise_recipe": recipe, "noise_shape": latent,
+              "noise_torch_randn": summary(draws["torch_randn"]), "noise_cpu_randn": summary(draws["cpu_randn"]),
               "start": summary(start_s), "start_then_synchronize": summary(synced_s),
               "loop_queue": summary([r.queue_s for r in measured]),
               "loop_admit": summary([r.admit_s for r in measured]),
               "loop_queue_less_admit": summary([r.queue_s - r.admit_s for r in measured]),
               "cprofile_cumulative": text.getvalue()}
-    for key in ("start", "start_then_synchronize", "loop_queue", "loop_admit", "loop_queue_less_admit"):
+    log.info("seeded noise recipe: %s", recipe)
+    for key in ("noise_torch_randn", "noise_cpu_randn", "start", "start_then_synchronize", "loop_queue", "loop_admit", "loop_queue_less_admit"):
         log.info("%-24s median %.3f ms (%.3f-%.3f)", key, report[key]["median_ms"], report[key]["min_ms"],
                  report[key]["max_ms"])
     log.info("cProfile of %d starts, by cumulative time:\n%s", args.runs, text.getvalue())

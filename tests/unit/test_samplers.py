@@ -289,3 +289,5 @@ def test_scheduler_prototypes_give_what_a_fresh_scheduler_gives(name):
     for steps, seed in ((12, 0), (12, 1), (7, 2), (5, 3), (12, 4)):  # size 2: (12) is evicted, then rebuilt
         assert torch.equal(run(prototypes.fresh(name, steps), seed), run(fresh(steps), seed)), (steps, seed)
     assert list(prototypes._prototypes) == [(name, 5), (name, 12)]
+    assert prototypes.shared(name, 12) is prototypes.shared(name, 12)
+    assert prototypes.fresh(name, 12) is not prototypes.shared(name, 12)

@@ -20,7 +20,6 @@ from typing import Any, Callable
 
 import numpy as np
 import torch
-from diffusers.utils.torch_utils import randn_tensor
 
 from backends.core.engine.config import CONTROLNET_MODES
 from backends.core.runtime.artifacts import load_unet_halves
@@ -32,6 +31,7 @@ from backends.core.request.params import GenerateParams, InvalidInput
 from backends.core.runtime.placement import Placement
 from backends.core.engine.controls import collect_controls, submit_controls
 from backends.core.engine.diffusers_schedulers import SchedulerPrototypes
+from backends.core.engine import noise
 from backends.core.engine.samplers import SamplerPlan, model_timesteps, scale_model_input, vectorizable
 from backends.core.engine.samplers import step as sampler_step
 from backends.core.engine.step_stats import DECODED, DECODER, ENCODED, ENCODER, SAMPLED, SAMPLER, StepClock
@@ -99,7 +99,7 @@ _SERIALS = itertools.count()  # a RequestState's serial: unique for the process'
 @dataclass
 class RequestState:
     job: DenoiseJob
-    scheduler: Any
+    scheduler: Any  # with a plan, the prototype all such requests share (read only); else its own
     timesteps: torch.Tensor
     latents: torch.Tensor
     embeds: torch.Tensor
@@ -143,6 +143,7 @@ class TorchDenoiser:
         self.unet = self.runtime.weights_module  # its config; LoRA merges write into its weights in place
         self.base_scheduler = _load_scheduler(folder / "scheduler")
         self.schedulers = SchedulerPrototypes(self.base_scheduler, self.device)
+        noise.choose(self.dtype)  # its check against torch.randn runs at load, not in a request
         self.vae_scale_factor = json.loads((folder / VAE_SCALE_FACTOR_FILE).read_text())["vae_scale_factor"]
         self.latent_channels = self.unet.config.in_channels
         self.controlnets = controlnets
@@ -190,20 +191,21 @@ class TorchDenoiser:
             if tuple(array.shape) != shape:
                 raise InvalidInput(name, f"has shape {tuple(array.shape)}, expected {shape} for these params")
         self.adopt_loras(job.loras)  # (LoRAs given up front; those still loading are adopted on arrival)
-        sched = self.schedulers.fresh(p.scheduler, p.steps)
+        sched = self.schedulers.shared(p.scheduler, p.steps)
         generator = torch.Generator("cpu").manual_seed(p.seed)
         h, w = self.latent_shape(p)
-        latents = randn_tensor((1, self.latent_channels, h, w), generator=generator, device=self.device,
-                               dtype=self.dtype)
+        latents = noise.randn_like_diffusers((1, self.latent_channels, h, w), generator, self.device, self.dtype)
         latents = latents * sched.init_noise_sigma
-        plan = SamplerPlan.from_scheduler(sched, p.steps, generator) if vectorizable(sched) else None
-
-        accepted = set(inspect.signature(sched.step).parameters)
         step_kwargs = {}
-        if "eta" in accepted:
-            step_kwargs["eta"] = 0.0
-        if "generator" in accepted:
-            step_kwargs["generator"] = generator
+        if vectorizable(sched):  # the plan reads the shared scheduler; nothing steps it
+            plan = SamplerPlan.from_scheduler(sched, p.steps, generator)
+        else:  # diffusers steps the request's own copy
+            sched, plan = self.schedulers.fresh(p.scheduler, p.steps), None
+            accepted = set(inspect.signature(sched.step).parameters)
+            if "eta" in accepted:
+                step_kwargs["eta"] = 0.0
+            if "generator" in accepted:
+                step_kwargs["generator"] = generator
 
         if job.controls and self.controlnets is None:
             raise ValueError("controlnets: this denoiser has no adapter store")

@@ -44,12 +44,15 @@ def make_scheduler(name: str, base: SchedulerMixin) -> SchedulerMixin:
 
 
 class SchedulerPrototypes:
-    """Fresh schedulers for requests, each a deep copy of a prototype per (name, steps) whose
-    timesteps are already set: the same state as a scheduler built from the config and set up.
+    """A prototype scheduler per (name, steps) whose timesteps are already set: the same state as
+    a scheduler built from the config and set up. `shared` lends the prototype itself, for a
+    request that only reads it (a vectorized sampler's tables, timesteps, initial sigma);
+    `fresh` a deep copy, for one that diffusers steps (which changes its state).
 
     Why: building one (diffusers' config machinery inspects signatures) and setting its timesteps
     took 0.8 ms on the dev CPU and several ms on the H200 host (py-spy), on the denoise loop's
-    thread, where every running request waits for it; a copy takes 0.12 ms on the dev CPU.
+    thread, where every running request waits for it; a copy still took 0.7 ms on the H200 host
+    (`bench/admission_micro.py`).
     """
 
     def __init__(self, base: SchedulerMixin, device, size: int = 32):
@@ -57,6 +60,10 @@ class SchedulerPrototypes:
         self._prototypes: OrderedDict[tuple[str, int], SchedulerMixin] = OrderedDict()
 
     def fresh(self, name: str, steps: int) -> SchedulerMixin:
+        return copy.deepcopy(self.shared(name, steps))
+
+    def shared(self, name: str, steps: int) -> SchedulerMixin:
+        """The prototype itself: never to be stepped or changed."""
         key = (name, steps)
         prototype = self._prototypes.get(key)
         if prototype is None:
@@ -69,4 +76,4 @@ class SchedulerPrototypes:
                 self._prototypes.popitem(last=False)
         else:
             self._prototypes.move_to_end(key)
-        return copy.deepcopy(prototype)
+        return prototype

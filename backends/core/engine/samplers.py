@@ -52,7 +52,8 @@ import numpy as np
 import torch
 from diffusers import (DDIMScheduler, DPMSolverMultistepScheduler, EulerAncestralDiscreteScheduler,
                        EulerDiscreteScheduler)
-from diffusers.utils.torch_utils import randn_tensor
+
+from backends.core.engine.noise import cpu_randn
 
 log = logging.getLogger(__name__)
 
@@ -251,8 +252,7 @@ def draw_noise(plans: Sequence[SamplerPlan], like: torch.Tensor) -> torch.Tensor
     if not any(p.method.kind == "euler_a" for p in plans):
         return None
     shape = (1, *like.shape[1:])
-    cpu = torch.device("cpu")
-    parts = [randn_tensor(shape, generator=p.generator, device=cpu, dtype=like.dtype)
+    parts = [cpu_randn(shape, p.generator, like.dtype)
              if p.method.kind == "euler_a" else torch.zeros(shape, dtype=like.dtype) for p in plans]
     return _host_tensor_to(torch.cat(parts), like.device)
 

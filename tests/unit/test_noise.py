@@ -1,0 +1,120 @@
+"""Seeded noise (backends/core/engine/noise.py): whatever recipe this build picks, the values and
+the generator's state are torch.randn's, bit for bit; the fp16 tables recipe is checked against
+an element-by-element transcription of torch 2.11's CPU normal_fill for c10::Half."""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from backends.core.engine import noise
+
+SHAPES = [(1, 4, 32, 32), (1, 4, 5, 7), (1, 3, 3, 3), (2, 4, 16, 16), (1, 5), (1, 16)]
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_cpu_randn_is_torch_randn_and_leaves_the_generator_as_it_does(shape, dtype):
+    for seed in (0, 7, 2**40 + 3):
+        want_gen, got_gen = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+        want = torch.randn(shape, generator=want_gen, dtype=dtype)
+        got = noise.cpu_randn(shape, got_gen, dtype)
+        assert torch.equal(_bits(got), _bits(want))
+        assert torch.equal(got_gen.get_state(), want_gen.get_state())
+
+
+def _libm():
+    libm = ctypes.CDLL(ctypes.util.find_library("m"))
+    for name in ("logf", "sqrtf", "cosf", "sinf"):
+        getattr(libm, name).restype = ctypes.c_float
+        getattr(libm, name).argtypes = [ctypes.c_float]
+    return libm
+
+
+def _normal_fill_16(d: list, libm) -> None:
+    """aten/src/ATen/native/cpu/DistributionTemplates.h, normal_fill_16<c10::Half>, std 1, mean 0."""
+    for j in range(8):
+        u1 = np.float16(np.float32(1) - np.float32(d[j]))
+        u2 = d[j + 8]
+        radius = np.float16(libm.sqrtf(np.float32(-2) * np.float32(libm.logf(float(u1)))))
+        theta = np.float16(2.0 * math.pi * float(u2))
+        d[j] = np.float16(np.float32(radius) * np.float32(libm.cosf(float(theta))) + np.float32(0))
+        d[j + 8] = np.float16(np.float32(radius) * np.float32(libm.sinf(float(theta))) + np.float32(0))
+
+
+def _torch_2_11_half_randn(shape, seed):
+    """normal_fill<c10::Half> element by element: every uniform (k / 2048, one 32-bit draw each),
+    the whole 16-chunks transformed, then 16 new uniforms for the last 16 elements."""
+    libm = _libm()
+    generator = torch.Generator().manual_seed(seed)
+    size = math.prod(shape)
+    k = torch.randint(0, 2048, (size + (16 if size % 16 else 0),), generator=generator).tolist()
+    data = [np.float16(x / 2048) for x in k[:size]]
+    for i in range(0, size - 15, 16):
+        chunk = data[i:i + 16]
+        _normal_fill_16(chunk, libm)
+        data[i:i + 16] = chunk
+    if size % 16:
+        chunk = [np.float16(x / 2048) for x in k[size:]]
+        _normal_fill_16(chunk, libm)
+        data[size - 16:] = chunk
+    return np.array(data, dtype=np.float16).reshape(shape), generator
+
+
+@pytest.mark.parametrize("shape", [(1, 4, 8, 8), (1, 4, 5, 7), (1, 3, 3, 3), (1, 16), (1, 17)])
+def test_fp16_tables_are_normal_fill_element_by_element(shape):
+    for seed in (0, 3):
+        want, want_gen = _torch_2_11_half_randn(shape, seed)
+        got_gen = torch.Generator().manual_seed(seed)
+        got = noise.half_by_tables(shape, got_gen).numpy()
+        assert np.array_equal(got.view(np.int16), want.view(np.int16))
+        assert torch.equal(got_gen.get_state(), want_gen.get_state())
+
+
+def test_a_recipe_is_kept_only_when_values_and_generator_state_both_match():
+    def right(shape, generator):
+        return torch.randn(shape, generator=generator, dtype=torch.float16)
+
+    def spares_the_generator(shape, generator):  # same values, generator not advanced
+        return torch.randn(shape, generator=torch.Generator().set_state(generator.get_state()), dtype=torch.float16)
+
+    def one_off(shape, generator):
+        out = torch.randn(shape, generator=generator, dtype=torch.float16)
+        out.view(-1)[-1] += 1
+        return out
+
+    assert noise.matches(right, torch.float16)
+    assert not noise.matches(spares_the_generator, torch.float16)
+    assert not noise.matches(one_off, torch.float16)
+
+
+def test_only_fp16_has_a_faster_recipe():
+    assert noise.choose(torch.float32) is None
+    assert noise.choose(torch.float16) in (None, *noise.RECIPES)
+
+
+def test_a_generator_on_a_device_is_refused():
+    class OnDevice:
+        device = torch.device("cuda")
+
+    with pytest.raises(ValueError, match="CPU generator"):
+        noise.randn_like_diffusers((1, 4, 8, 8), OnDevice(), "cpu", torch.float16)
+
+
+@pytest.mark.gpu
+def test_the_gpu_images_torch_takes_the_tables_recipe():
+    """The GPU image's torch 2.11 draws fp16 noise by the scalar normal_fill the tables transcribe;
+    64 seeds against torch.randn there, beyond what `choose` checks at load."""
+    if not torch.__version__.startswith("2.11."):
+        pytest.skip(f"the tables transcribe torch 2.11's fp16 normal; this is torch {torch.__version__}")
+    assert noise.choose(torch.float16) == "fp16_tables"
+    assert noise.matches(noise.half_by_tables, torch.float16, seeds=range(64))
