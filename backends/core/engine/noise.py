@@ -35,31 +35,44 @@ def _libm():
     return ctypes.CDLL(ctypes.util.find_library("m"))
 
 
+# How normal_fill_16<c10::Half>'s libm calls round: "half" rounds every call's result (and -2 *
+# log) to fp16, as c10's overloads for reduced-precision types return the type itself; "float"
+# keeps each result in float until a named fp16 intermediate (older c10, through float's overload).
+MATHS = ("half", "float")  # "half" is torch 2.11's (the GPU image's)
+
+
 @functools.lru_cache(maxsize=None)
-def half_tables() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def half_tables(maths: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For each 11-bit uniform k: the pair's radius as fp16 (from u1 = 1 - k/2048) and cos/sin of
     its angle (theta rounded to fp16, from u2 = k/2048), as float32, computed as torch's
-    `normal_fill_16<c10::Half>` does (float libm calls, every named intermediate rounded to fp16)."""
+    `normal_fill_16<c10::Half>` does under `maths` (see MATHS)."""
+    if maths not in MATHS:
+        raise ValueError(f"noise: maths {maths!r} is not one of {MATHS}")
     libm = _libm()
     for name in ("logf", "sqrtf", "cosf", "sinf"):
         getattr(libm, name).restype = ctypes.c_float
         getattr(libm, name).argtypes = [ctypes.c_float]
+
+    def call(name: str, x: np.ndarray) -> np.ndarray:
+        out = np.array([getattr(libm, name)(float(v)) for v in x.astype(np.float32)], dtype=np.float32)
+        return out.astype(np.float16).astype(np.float32) if maths == "half" else out
+
     n = 1 << UNIFORM_BITS
     u = np.arange(n, dtype=np.float32) / np.float32(n)  # exact in fp16
-    u1 = (np.float32(1) - u).astype(np.float16)  # exact: 1 - k/2048 is representable
-    radius = np.array([libm.sqrtf(np.float32(-2) * np.float32(libm.logf(float(x)))) for x in u1.astype(np.float32)],
-                      dtype=np.float32).astype(np.float16).astype(np.float32)
+    u1 = np.float32(1) - u  # exact in fp16: 1 - k/2048 is representable
+    minus_two_log = np.float32(-2) * call("logf", u1)
+    if maths == "half":
+        minus_two_log = minus_two_log.astype(np.float16).astype(np.float32)
+    radius = call("sqrtf", minus_two_log).astype(np.float16).astype(np.float32)
     theta = (2.0 * math.pi * u.astype(np.float64)).astype(np.float16).astype(np.float32)
-    cos = np.array([libm.cosf(float(t)) for t in theta], dtype=np.float32)
-    sin = np.array([libm.sinf(float(t)) for t in theta], dtype=np.float32)
-    return radius, cos, sin
+    return radius, call("cosf", theta), call("sinf", theta)
 
 
-def _transform_chunks(k: np.ndarray) -> np.ndarray:
+def _transform_chunks(k: np.ndarray, maths: str) -> np.ndarray:
     """normal_fill_16 over rows of 16 uniforms' integers [n, 16] -> fp16 [n, 16]: element j < 8
     pairs with j + 8, whose uniform gives the angle; (radius * cos(theta)) * std + mean in float,
     with std 1 (exact) and mean 0, kept since -0.0 + 0.0 is +0.0."""
-    radius, cos, sin = half_tables()
+    radius, cos, sin = half_tables(maths)
     r, angle = radius[k[:, :8]], k[:, 8:]
     out = np.empty(k.shape, dtype=np.float16)
     out[:, :8] = r * cos[angle] + np.float32(0)
@@ -67,10 +80,10 @@ def _transform_chunks(k: np.ndarray) -> np.ndarray:
     return out
 
 
-def half_by_tables(shape: tuple[int, ...], generator: torch.Generator) -> torch.Tensor:
-    """torch 2.11's `torch.randn(shape, generator=generator, dtype=torch.float16)` on the CPU:
-    every uniform drawn first, the whole 16-chunks transformed, then, when the size is not a
-    multiple of 16, 16 new uniforms for the last 16 elements (what normal_fill does)."""
+def half_by_tables(shape: tuple[int, ...], generator: torch.Generator, maths: str = "float") -> torch.Tensor:
+    """`torch.randn(shape, generator=generator, dtype=torch.float16)` on the CPU where torch runs
+    normal_fill<c10::Half>: every uniform drawn first, the whole 16-chunks transformed, then, when
+    the size is not a multiple of 16, 16 new uniforms for the last 16 elements."""
     size = math.prod(shape)
     if size < CHUNK:  # torch's serial path (double Box-Muller with a cached second value)
         return torch.randn(shape, generator=generator, dtype=torch.float16)
@@ -78,14 +91,15 @@ def half_by_tables(shape: tuple[int, ...], generator: torch.Generator) -> torch.
                       dtype=torch.int32).numpy()
     whole = size // CHUNK * CHUNK
     out = np.empty(size, dtype=np.float16)
-    out[:whole] = _transform_chunks(k[:whole].reshape(-1, CHUNK)).reshape(-1)
+    out[:whole] = _transform_chunks(k[:whole].reshape(-1, CHUNK), maths).reshape(-1)
     if size % CHUNK:
-        out[size - CHUNK:] = _transform_chunks(k[size:].reshape(1, CHUNK)).reshape(-1)
+        out[size - CHUNK:] = _transform_chunks(k[size:].reshape(1, CHUNK), maths).reshape(-1)
     return torch.from_numpy(out).reshape(shape)
 
 
 Recipe = Callable[[tuple[int, ...], torch.Generator], torch.Tensor]
-RECIPES: dict[str, Recipe] = {"fp16_tables": half_by_tables}
+RECIPES: dict[str, Recipe] = {f"fp16_tables_{maths}_maths": functools.partial(half_by_tables, maths=maths)
+                               for maths in MATHS}
 # Shapes the check draws: a latent's, sizes that are not multiples of 16, and a small one.
 CHECK_SHAPES = ((1, 4, 128, 128), (1, 4, 97, 75), (1, 4, 3, 5), (1, 3), (2, 4, 16, 16))
 CHECK_SEEDS = (0, 1, 12345, 2**31 - 1, 2**63 + 7)
