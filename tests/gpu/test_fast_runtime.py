@@ -213,6 +213,29 @@ def test_denoiser_on_graphs_reproduces_the_eager_denoiser(repo):
     assert fast_runtime.stats.graph_steps == 6
 
 
+@pytest.mark.parametrize("scheduler", ["euler", "euler_a", "dpmpp_2m_karras"])
+def test_admission_does_not_wait_for_the_gpu(repo, scheduler):
+    """A request admitted while others' steps are queued: start() makes no synchronizing call (a
+    pageable copy would idle the GPU until the queue drains), and its first step sees its noise."""
+    where = Placement("cuda:0", "fp16")
+    engine = TorchDenoiser(repo / "denoiser" / "1", where)
+    encoder = PromptEncoder(repo / "text_encoder" / "1", where)
+    params = validate({"prompt": "a red fox", "steps": 4, "width": 64, "height": 64, "seed": 3,
+                       "scheduler": scheduler}, Limits())
+    embeds, pooled = encoder.encode(params)
+    with engine.on_stream():
+        reference = engine.start(DenoiseJob("a", params, embeds, pooled))
+        torch.cuda._sleep(100_000_000)  # the GPU is busy when the next request arrives
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            state = engine.start(DenoiseJob("b", params, embeds, pooled))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+    assert torch.equal(state.latents, reference.latents)
+    assert torch.equal(state.embeds, reference.embeds) and torch.equal(state.time_ids, reference.time_ids)
+
+
 def test_the_engines_stream_waits_for_what_the_caller_queued_on_the_same_graphs(repo):
     """A caller queues a step on the runtime's graphs on its own stream, then hands the engine a
     step on the same bucket: the engine's stream must not write the bucket's buffers before the

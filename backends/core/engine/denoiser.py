@@ -28,6 +28,7 @@ from backends.core.runtime.torch_eager import EagerUNetRuntime
 from backends.core.adapters.controlnet import ControlInput, PreparedControl, ResidualProvider, prepare_control_image
 from backends.core.adapters.lora import LoraMerger, LoraSet, lora_key
 from backends.core.request.params import GenerateParams, InvalidInput
+from backends.core.runtime.host_copies import to_device
 from backends.core.runtime.placement import Placement
 from backends.core.engine.controls import collect_controls, submit_controls
 from backends.core.engine.diffusers_schedulers import SchedulerPrototypes
@@ -213,15 +214,16 @@ class TorchDenoiser:
         for i, c in enumerate(job.controls):
             self.controlnets.check(c.name)  # unknown names fail here, before any step
             image = prepare_control_image(c.image, p.width, p.height, self.vae_scale_factor)
-            controls.append(PreparedControl(c.name, torch.cat([image] * rows).to(self.device, self.dtype),
+            controls.append(PreparedControl(c.name, to_device(torch.cat([image] * rows), self.device).to(self.dtype),
                                             c.scale, c.guidance_start, c.guidance_end, session=f"{job.request_id}/{i}"))
 
-        time_ids = torch.tensor([[p.height, p.width, 0, 0, p.height, p.width]], dtype=self.dtype,
-                                device=self.device).repeat(rows, 1)
+        # Every copy from pinned memory: admitted beside running requests, it must not wait for their steps.
+        time_ids = to_device(torch.tensor([[p.height, p.width, 0, 0, p.height, p.width]], dtype=self.dtype
+                                          ).repeat(rows, 1), self.device)
         return RequestState(
             job=job, scheduler=sched, timesteps=sched.timesteps, latents=latents,
-            embeds=torch.from_numpy(job.prompt_embeds).to(self.device, self.dtype),
-            pooled=torch.from_numpy(job.pooled_embeds).to(self.device, self.dtype),
+            embeds=to_device(torch.from_numpy(job.prompt_embeds), self.device).to(self.dtype),
+            pooled=to_device(torch.from_numpy(job.pooled_embeds), self.device).to(self.dtype),
             time_ids=time_ids, step_kwargs=step_kwargs, controls=controls, plan=plan)
 
     @torch.inference_mode()

@@ -25,6 +25,8 @@ from typing import Callable
 import numpy as np
 import torch
 
+from backends.core.runtime.host_copies import to_device
+
 log = logging.getLogger(__name__)
 
 CHUNK = 16  # torch's normal_fill transforms 16 uniforms at a time (8 pairs)
@@ -152,4 +154,4 @@ def randn_like_diffusers(shape: tuple[int, ...], generator: torch.Generator, dev
     """diffusers' `randn_tensor(shape, generator=<a CPU generator>, device=device, dtype=dtype)`."""
     if generator.device.type != "cpu":
         raise ValueError("noise: the request's generator must be a CPU generator (as diffusers seeds it)")
-    return cpu_randn(shape, generator, dtype).to(device)
+    return to_device(cpu_randn(shape, generator, dtype), device)

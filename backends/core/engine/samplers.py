@@ -54,6 +54,7 @@ from diffusers import (DDIMScheduler, DPMSolverMultistepScheduler, EulerAncestra
                        EulerDiscreteScheduler)
 
 from backends.core.engine.noise import cpu_randn
+from backends.core.runtime.host_copies import to_device
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +255,7 @@ def draw_noise(plans: Sequence[SamplerPlan], like: torch.Tensor) -> torch.Tensor
     shape = (1, *like.shape[1:])
     parts = [cpu_randn(shape, p.generator, like.dtype)
              if p.method.kind == "euler_a" else torch.zeros(shape, dtype=like.dtype) for p in plans]
-    return _host_tensor_to(torch.cat(parts), like.device)
+    return to_device(torch.cat(parts), like.device)
 
 
 def step(model_output: torch.Tensor, sample: torch.Tensor, plans: Sequence[SamplerPlan], indices: Sequence[int],
@@ -483,15 +484,7 @@ def _recip(value: float) -> float:
 
 def _to_device(values: list, device: torch.device) -> torch.Tensor:
     """Host floats as one float32 tensor on `device`: one copy, non-blocking from pinned memory."""
-    return _host_tensor_to(torch.tensor(values, dtype=torch.float32, pin_memory=device.type == "cuda"), device)
-
-
-def _host_tensor_to(host: torch.Tensor, device: torch.device) -> torch.Tensor:
-    if device.type == "cuda":
-        # Pinned, so the copy is asynchronous (the caching host allocator keeps the buffer
-        # until the copy has run).
-        return (host if host.is_pinned() else host.pin_memory()).to(device, non_blocking=True)
-    return host.to(device)
+    return to_device(torch.tensor(values, dtype=torch.float32, pin_memory=device.type == "cuda"), device)
 
 
 def _runs(plans: Sequence[SamplerPlan]) -> list[tuple[int, int]]:
