@@ -4,7 +4,8 @@ random weights on one GPU, one 1024x1024 image (a [1, 4, 128, 128] latent).
 Variants are a dtype (fp32, SDXL's VAE as diffusers runs it, upcast; bf16, fp32's range at half
 the bytes; fp16 for reference only: SDXL's real VAE overflows in it) plus options: `graphs` (one
 CUDA graph), `fused` (plugins' GroupNorm+SiLU), `compiled` (torch.compile, default mode), `cl`
-(channels_last). Each reports the wall time of LatentDecoder.decode (latents in host memory to
+(channels_last), `tf32` (fp32 products in TF32), `cudnnbench` (cuDNN times its convolution
+algorithms), `attn16`/`attnbf16` (the attention product's dtype). Each reports the wall time of LatentDecoder.decode (latents in host memory to
 uint8 pixels in host memory, medians) and the PSNR of its pixels against fp32 eager's. Then the
 PNG encode of those pixels (ours, strips on threads) against PIL's at the same level.
 
@@ -34,6 +35,9 @@ OPTIONS = {"graphs": "graphs", "fused": "fused_kernels", "compiled": "compiled",
 # Not a LatentDecoder option but the process-wide torch flag, which the VAE's own stub process could set:
 # fp32 matrix products (the mid block's attention) on tensor cores with TF32's 10-bit mantissa.
 TF32 = "tf32"
+# Also process-wide: cuDNN times its algorithms for each convolution shape (at the first call,
+# before the capture) instead of taking its heuristics' pick.
+CUDNN_BENCHMARK = "cudnnbench"
 # LatentDecoder's attention_dtype
 ATTENTION = {"attn16": "float16", "attnbf16": "bfloat16"}
 
@@ -81,10 +85,11 @@ def main() -> None:
     reference = None
     for name in ["fp32"] + [v for v in args.variants.split(",") if v != "fp32"]:
         dtype, *options = name.split("+")
-        unknown = [o for o in options if o not in {*OPTIONS, TF32, *ATTENTION}]
+        unknown = [o for o in options if o not in {*OPTIONS, TF32, CUDNN_BENCHMARK, *ATTENTION}]
         if dtype not in DTYPES or unknown:
             raise SystemExit(f"--variants: {name!r}: dtype one of {list(DTYPES)}, options of {list(OPTIONS)}")
         torch.backends.cuda.matmul.allow_tf32 = TF32 in options
+        torch.backends.cudnn.benchmark = CUDNN_BENCHMARK in options
         start = time.perf_counter()
         decoder = LatentDecoder(model, Placement("cuda:0", "fp16"), dtype=getattr(torch, DTYPES[dtype]),
                                 **{OPTIONS[o]: True for o in options if o in OPTIONS},
