@@ -11,16 +11,25 @@ stub around it.
 from __future__ import annotations
 
 import cProfile
-import io
 import logging
 import pstats
 import statistics
 import threading
 import time
+from pathlib import Path
 
 from bench.common import bench_parser, random_sdxl_denoiser, start_logging, tiny, write_json
 
 log = logging.getLogger("bench.admission_micro")
+
+
+def _top(profiler: cProfile.Profile, calls: int, lines: int = 25) -> str:
+    """The functions with the most cumulative time, in microseconds per start (pstats prints
+    seconds to three decimals, too coarse for a start of a millisecond)."""
+    rows = sorted(pstats.Stats(profiler).stats.items(), key=lambda kv: -kv[1][3])[:lines]
+    return "\n".join(f"{1e6 * cumulative / calls:9.1f} us {1e6 * own / calls:9.1f} us own  {n:5d}  "
+                     f"{Path(where).name}:{line}({name})"
+                     for (where, line, name), (_, n, own, cumulative, _) in rows)
 
 
 def main() -> None:
@@ -95,24 +104,41 @@ def main() -> None:
             engine.start(job(f"p{i}", args.steps, i))
         profiler.disable()
         sync()
-    text = io.StringIO()
-    pstats.Stats(profiler, stream=text).sort_stats("cumulative").print_stats(30)
+    text = _top(profiler, args.runs)
 
-    done = threading.Event()
-    results = []
+    def through_loop(first: int, count: int, profiler: cProfile.Profile | None = None) -> list:
+        """`count` requests of 2 steps through a DenoiseLoop, one at a time; with `profiler`, each
+        start() as the loop thread runs it (cProfile only sees the thread that enables it)."""
+        done, results = threading.Event(), []
+        direct = engine.start
 
-    def on_done(result):
-        results.append(result)
-        done.set()
+        def start(j):
+            profiler.enable()
+            try:
+                return direct(j)
+            finally:
+                profiler.disable()
 
-    loop = DenoiseLoop(engine, on_done, SchedulerConfig(max_running=1, max_batch_rows=2))
-    loop.start()
-    for i in range(args.loop_runs + 1):  # the first warms the eager UNet up
-        done.clear()
-        loop.submit(job(f"l{i}", 2, i))
-        done.wait(600)
-    loop.shutdown()
-    measured = results[1:]
+        if profiler is not None:
+            engine.start = start
+        loop = DenoiseLoop(engine, lambda r: (results.append(r), done.set()),
+                           SchedulerConfig(max_running=1, max_batch_rows=2))
+        loop.start()
+        try:
+            for i in range(first, first + count):
+                done.clear()
+                loop.submit(job(f"l{i}", 2, i))
+                done.wait(600)
+        finally:
+            loop.shutdown()
+            engine.start = direct
+        return results
+
+    through_loop(0, 1)  # warms the eager UNet and the (sampler, 2 steps) prototype up
+    measured = through_loop(1, args.loop_runs)
+    in_loop = cProfile.Profile()  # separately: profiling slows what it profiles
+    through_loop(1 + args.loop_runs, args.loop_runs, in_loop)
+    loop_text = _top(in_loop, args.loop_runs)
 
     def summary(values: list[float]) -> dict:
         return {"median_ms": 1e3 * statistics.median(values), "min_ms": 1e3 * min(values),
@@ -126,12 +152,14 @@ def main() -> None:
               "loop_queue": summary([r.queue_s for r in measured]),
               "loop_admit": summary([r.admit_s for r in measured]),
               "loop_queue_less_admit": summary([r.queue_s - r.admit_s for r in measured]),
-              "cprofile_cumulative": text.getvalue()}
+              "cprofile_cumulative": text, "cprofile_in_loop_cumulative": loop_text}
     log.info("seeded noise recipe: %s", recipe)
     for key in ("noise_torch_randn", "noise_cpu_randn", "start", "start_then_synchronize", "loop_queue", "loop_admit", "loop_queue_less_admit"):
         log.info("%-24s median %.3f ms (%.3f-%.3f)", key, report[key]["median_ms"], report[key]["min_ms"],
                  report[key]["max_ms"])
-    log.info("cProfile of %d starts, by cumulative time:\n%s", args.runs, text.getvalue())
+    log.info("cProfile of %d starts, by cumulative time:\n%s", args.runs, text)
+    log.info("cProfile of the loop's %d starts:\n%s", args.loop_runs,
+             loop_text)
     write_json(args.out, report)
 
 
