@@ -44,8 +44,9 @@ class Results:
         return [self.done[i] for i in ids]
 
 
-def job(encoder, rid, steps=4, size=64, seed=1, **kw):
-    params = validate({"prompt": "a cat", "steps": steps, "width": size, "height": size, "seed": seed}, Limits())
+def job(encoder, rid, steps=4, size=64, seed=1, scheduler=None, **kw):
+    params = validate({"prompt": "a cat", "steps": steps, "width": size, "height": size, "seed": seed,
+                       "scheduler": scheduler}, Limits())
     embeds, pooled = encoder.encode(params)
     return DenoiseJob(request_id=rid, params=params, prompt_embeds=embeds, pooled_embeds=pooled, **kw)
 
@@ -258,3 +259,26 @@ def test_the_loop_publishes_the_work_it_holds(engines):
     steps_done = [total - w for w in published[2:]]
     assert steps_done == sorted(steps_done)  # never more work than before: it only goes down
     assert len(set(published)) > 4  # every step told
+
+
+@pytest.mark.parametrize("scheduler", ["euler", "euler_a", "dpmpp_2m_karras", "ddim"])
+def test_requests_leave_the_shared_scheduler_prototype_as_it_was(engines, scheduler):
+    """Vectorized requests read the (scheduler, steps) prototype they all share: running two
+    (one batched beside the other) changes none of its state, and a third alike gives what the
+    first gave."""
+    engine, encoder = engines
+    prototype = engine.schedulers.shared(scheduler, 4)
+    before = {k: (v.clone() if isinstance(v, torch.Tensor) else v) for k, v in vars(prototype).items()
+              if not k.startswith("_config") and k != "config"}
+    first = run(engine, [job(encoder, "a", steps=4, seed=5, scheduler=scheduler)])[0]
+    run(engine, [job(encoder, "b", steps=4, seed=6, scheduler=scheduler),
+                 job(encoder, "c", steps=4, seed=7, scheduler=scheduler)])
+    again = run(engine, [job(encoder, "d", steps=4, seed=5, scheduler=scheduler)])[0]
+    assert engine.schedulers.shared(scheduler, 4) is prototype
+    after = vars(prototype)
+    for key, value in before.items():
+        if isinstance(value, torch.Tensor):
+            assert torch.equal(after[key], value), key
+        else:
+            assert after[key] == value, key
+    np.testing.assert_array_equal(again.latents, first.latents)
