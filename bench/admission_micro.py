@@ -32,6 +32,29 @@ def _top(profiler: cProfile.Profile, calls: int, lines: int = 25) -> str:
                      for (where, line, name), (_, n, own, cumulative, _) in rows)
 
 
+def _times(fn, runs: int) -> list[float]:
+    """Wall seconds of `runs` calls of `fn`, after one untimed call."""
+    fn()
+    times = []
+    for _ in range(runs):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return times
+
+
+def _profiled(profiler: cProfile.Profile, fn):
+    """`fn` profiled on whichever thread calls it (cProfile only sees the thread that enables it),
+    and nothing around it."""
+    def call(*args):
+        profiler.enable()
+        try:
+            return fn(*args)
+        finally:
+            profiler.disable()
+    return call
+
+
 def main() -> None:
     p = bench_parser(__doc__, size=1024, steps=50)
     p.add_argument("--runs", type=int, default=30)
@@ -42,6 +65,7 @@ def main() -> None:
 
     import torch
 
+    from backends.core.engine import noise
     from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
     from backends.core.engine.loop import DenoiseLoop
     from backends.core.engine.scheduler import SchedulerConfig
@@ -69,58 +93,40 @@ def main() -> None:
                            "seed": seed, "guidance_scale": 5.0}, Limits())
         return DenoiseJob(request_id=rid, params=params, prompt_embeds=embeds, pooled_embeds=pooled)
 
-    from backends.core.engine import noise
-
     recipe = noise.choose(placement.torch_dtype)
     latent = (1, cfg.in_channels, args.size // engine.vae_scale_factor, args.size // engine.vae_scale_factor)
     generator = torch.Generator("cpu").manual_seed(0)
-    draws = {}
-    for name, draw in (("torch_randn", lambda: torch.randn(latent, generator=generator, dtype=placement.torch_dtype)),
-                       ("cpu_randn", lambda: noise.cpu_randn(latent, generator, placement.torch_dtype))):
-        draw()
-        times = []
-        for _ in range(args.runs):
-            t0 = time.perf_counter()
-            draw()
-            times.append(time.perf_counter() - t0)
-        draws[name] = times
+    draws = {"torch_randn": _times(lambda: torch.randn(latent, generator=generator, dtype=placement.torch_dtype),
+                                   args.runs),
+             "cpu_randn": _times(lambda: noise.cpu_randn(latent, generator, placement.torch_dtype), args.runs)}
 
     sync = torch.cuda.synchronize if not args.cpu else (lambda: None)
-    with engine.on_stream():
-        engine.start(job("warm", args.steps, 0))
+    jobs = iter([job(f"s{i}", args.steps, i) for i in range(2 * args.runs + 1)])
+    starts = []  # start() alone, of the same calls as synced_s (the first is the warm-up's)
+
+    def start_then_sync():
+        began = time.perf_counter()
+        engine.start(next(jobs))
+        starts.append(time.perf_counter() - began)
         sync()
-        start_s, synced_s = [], []
-        for i in range(args.runs):
-            j = job(f"s{i}", args.steps, i)
-            t0 = time.perf_counter()
-            engine.start(j)
-            t1 = time.perf_counter()
-            sync()
-            start_s.append(t1 - t0)
-            synced_s.append(time.perf_counter() - t0)
-        profiler = cProfile.Profile()
-        profiler.enable()
-        for i in range(args.runs):
-            engine.start(job(f"p{i}", args.steps, i))
-        profiler.disable()
+
+    profiler = cProfile.Profile()
+    with engine.on_stream():
+        synced_s = _times(start_then_sync, args.runs)
+        start_s = starts[1:]
+        profiled_start = _profiled(profiler, engine.start)
+        for _ in range(args.runs):
+            profiled_start(next(jobs))
         sync()
     text = _top(profiler, args.runs)
 
     def through_loop(first: int, count: int, profiler: cProfile.Profile | None = None) -> list:
         """`count` requests of 2 steps through a DenoiseLoop, one at a time; with `profiler`, each
-        start() as the loop thread runs it (cProfile only sees the thread that enables it)."""
+        start() as the loop thread runs it."""
         done, results = threading.Event(), []
         direct = engine.start
-
-        def start(j):
-            profiler.enable()
-            try:
-                return direct(j)
-            finally:
-                profiler.disable()
-
         if profiler is not None:
-            engine.start = start
+            engine.start = _profiled(profiler, direct)
         loop = DenoiseLoop(engine, lambda r: (results.append(r), done.set()),
                            SchedulerConfig(max_running=1, max_batch_rows=2))
         loop.start()
@@ -154,12 +160,12 @@ def main() -> None:
               "loop_queue_less_admit": summary([r.queue_s - r.admit_s for r in measured]),
               "cprofile_cumulative": text, "cprofile_in_loop_cumulative": loop_text}
     log.info("seeded noise recipe: %s", recipe)
-    for key in ("noise_torch_randn", "noise_cpu_randn", "start", "start_then_synchronize", "loop_queue", "loop_admit", "loop_queue_less_admit"):
+    for key in ("noise_torch_randn", "noise_cpu_randn", "start", "start_then_synchronize", "loop_queue", "loop_admit",
+                "loop_queue_less_admit"):
         log.info("%-24s median %.3f ms (%.3f-%.3f)", key, report[key]["median_ms"], report[key]["min_ms"],
                  report[key]["max_ms"])
     log.info("cProfile of %d starts, by cumulative time:\n%s", args.runs, text)
-    log.info("cProfile of the loop's %d starts:\n%s", args.loop_runs,
-             loop_text)
+    log.info("cProfile of the loop's %d starts:\n%s", args.loop_runs, loop_text)
     write_json(args.out, report)
 
 

@@ -5,9 +5,10 @@ Variants are a dtype (fp32, SDXL's VAE as diffusers runs it, upcast; bf16, fp32'
 the bytes; fp16 for reference only: SDXL's real VAE overflows in it) plus options: `graphs` (one
 CUDA graph), `fused` (plugins' GroupNorm+SiLU), `compiled` (torch.compile, default mode), `cl`
 (channels_last), `tf32` (fp32 products in TF32), `cudnnbench` (cuDNN times its convolution
-algorithms), `attn16`/`attnbf16` (the attention product's dtype). Each reports the wall time of LatentDecoder.decode (latents in host memory to
-uint8 pixels in host memory, medians) and the PSNR of its pixels against fp32 eager's. Then the
-PNG encode of those pixels (ours, strips on threads) against PIL's at the same level.
+algorithms), `attn16`/`attnbf16` (the attention product's dtype). Each reports the wall time of
+LatentDecoder.decode (latents in host memory to uint8 pixels in host memory, medians) and the
+PSNR of its pixels against fp32 eager's. Then the PNG encode of those pixels (ours, strips on
+threads) against PIL's at the same level.
 
     python3 bench/vae_micro.py --work /tmp/easel-micro --out $OUT/vae_micro.json \
         --variants fp32,fp32+graphs,fp32+graphs+fused,bf16+graphs+fused
@@ -40,6 +41,7 @@ TF32 = "tf32"
 CUDNN_BENCHMARK = "cudnnbench"
 # LatentDecoder's attention_dtype
 ATTENTION = {"attn16": "float16", "attnbf16": "bfloat16"}
+VARIANT_OPTIONS = (*OPTIONS, TF32, CUDNN_BENCHMARK, *ATTENTION)
 
 
 def wall_s(fn, iters: int, warmup: int = 2) -> list[float]:
@@ -85,9 +87,9 @@ def main() -> None:
     reference = None
     for name in ["fp32"] + [v for v in args.variants.split(",") if v != "fp32"]:
         dtype, *options = name.split("+")
-        unknown = [o for o in options if o not in {*OPTIONS, TF32, CUDNN_BENCHMARK, *ATTENTION}]
+        unknown = [o for o in options if o not in VARIANT_OPTIONS]
         if dtype not in DTYPES or unknown:
-            raise SystemExit(f"--variants: {name!r}: dtype one of {list(DTYPES)}, options of {list(OPTIONS)}")
+            raise SystemExit(f"--variants: {name!r}: dtype one of {list(DTYPES)}, options of {list(VARIANT_OPTIONS)}")
         torch.backends.cuda.matmul.allow_tf32 = TF32 in options
         torch.backends.cudnn.benchmark = CUDNN_BENCHMARK in options
         start = time.perf_counter()

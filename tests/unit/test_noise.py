@@ -4,8 +4,6 @@ an element-by-element transcription of torch 2.11's CPU normal_fill for c10::Hal
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import math
 from pathlib import Path
 
@@ -33,14 +31,6 @@ def test_cpu_randn_is_torch_randn_and_leaves_the_generator_as_it_does(shape, dty
         assert torch.equal(got_gen.get_state(), want_gen.get_state())
 
 
-def _libm():
-    libm = ctypes.CDLL(ctypes.util.find_library("m"))
-    for name in ("logf", "sqrtf", "cosf", "sinf"):
-        getattr(libm, name).restype = ctypes.c_float
-        getattr(libm, name).argtypes = [ctypes.c_float]
-    return libm
-
-
 def _normal_fill_16(d: list, libm, maths: str) -> None:
     """aten/src/ATen/native/cpu/DistributionTemplates.h, normal_fill_16<c10::Half>, std 1, mean 0;
     `maths` "half": each libm call's result (and -2 * log) rounded to fp16."""
@@ -57,7 +47,7 @@ def _normal_fill_16(d: list, libm, maths: str) -> None:
 def _normal_fill_half(shape, seed, maths):
     """normal_fill<c10::Half> element by element: every uniform (k / 2048, one 32-bit draw each),
     the whole 16-chunks transformed, then 16 new uniforms for the last 16 elements."""
-    libm = _libm()
+    libm = noise.libm()
     generator = torch.Generator().manual_seed(seed)
     size = math.prod(shape)
     k = torch.randint(0, 2048, (size + (16 if size % 16 else 0),), generator=generator).tolist()

@@ -33,8 +33,14 @@ CHUNK = 16  # torch's normal_fill transforms 16 uniforms at a time (8 pairs)
 UNIFORM_BITS = 11  # std::numeric_limits<Half>::digits: the uniforms are k / 2048
 
 
-def _libm():
-    return ctypes.CDLL(ctypes.util.find_library("m"))
+@functools.lru_cache(maxsize=None)
+def libm() -> ctypes.CDLL:
+    """The C library's float logf, sqrtf, cosf and sinf: what torch's CPU kernels call."""
+    lib = ctypes.CDLL(ctypes.util.find_library("m"))
+    for name in ("logf", "sqrtf", "cosf", "sinf"):
+        getattr(lib, name).restype = ctypes.c_float
+        getattr(lib, name).argtypes = [ctypes.c_float]
+    return lib
 
 
 # How normal_fill_16<c10::Half>'s libm calls round: "half" rounds every call's result (and -2 *
@@ -50,13 +56,8 @@ def half_tables(maths: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     `normal_fill_16<c10::Half>` does under `maths` (see MATHS)."""
     if maths not in MATHS:
         raise ValueError(f"noise: maths {maths!r} is not one of {MATHS}")
-    libm = _libm()
-    for name in ("logf", "sqrtf", "cosf", "sinf"):
-        getattr(libm, name).restype = ctypes.c_float
-        getattr(libm, name).argtypes = [ctypes.c_float]
-
     def call(name: str, x: np.ndarray) -> np.ndarray:
-        out = np.array([getattr(libm, name)(float(v)) for v in x.astype(np.float32)], dtype=np.float32)
+        out = np.array([getattr(libm(), name)(float(v)) for v in x.astype(np.float32)], dtype=np.float32)
         return out.astype(np.float16).astype(np.float32) if maths == "half" else out
 
     n = 1 << UNIFORM_BITS
