@@ -86,14 +86,21 @@ def read_tensors(path: str, device: torch.device | str = "cpu", staging: Staging
         else:  # read, not mapped: a file truncated later (one of the adapter store's) cannot fault us
             data = torch.empty(size, dtype=torch.uint8)
             _read_into(f, data)
-    tensors = {}
+    # One typed view of the buffer per dtype, sliced per tensor: each torch op here gives up the GIL
+    # and waits to get it back, so the loader's feeder thread, which runs this beside the step loop,
+    # does as few as it can (bench/lora_read_contention.py: a Python-busy neighbour thread makes
+    # this part, not the read, the slow one).
+    tensors, typed = {}, {}
     for key, entry in header.items():
         start, end = entry["data_offsets"]
         dtype = DTYPES[entry["dtype"]]
-        piece = data[start:end]
-        if start % dtype.itemsize:  # a writer that did not align it (ours and safetensors' do)
-            piece = piece.clone()
-        tensors[key] = piece.view(dtype).view(entry["shape"])
+        width = dtype.itemsize
+        if start % width:  # a writer that did not align it (ours and safetensors' do)
+            tensors[key] = data[start:end].clone().view(dtype).view(entry["shape"])
+            continue
+        if dtype not in typed:
+            typed[dtype] = data[:data.numel() - data.numel() % width].view(dtype)
+        tensors[key] = typed[dtype][start // width:end // width].view(entry["shape"])
     return tensors
 
 
