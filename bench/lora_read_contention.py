@@ -40,8 +40,9 @@ class GraphLoop:
     """One CUDA graph (a chain of fp16 products, about 50 ms on an H200) and, while entered, a
     thread that replays it back to back with at most two replays queued."""
 
-    def __init__(self, torch):
-        self.torch = torch
+    def __init__(self):
+        import torch
+
         a = torch.randn(8192, 8192, device="cuda", dtype=torch.float16)
         self.stream = torch.cuda.Stream()
         with torch.cuda.stream(self.stream):
@@ -54,7 +55,8 @@ class GraphLoop:
         self.replays = 0
 
     def _run(self, stop: threading.Event) -> None:
-        torch = self.torch
+        import torch
+
         queued = []
         with torch.cuda.stream(self.stream):
             while not stop.is_set():
@@ -102,6 +104,8 @@ class PythonSpin:
 
 def timed_read(path: str, staging, niceness: int) -> float:
     """Seconds for one cold read onto the GPU, on a fresh thread at `niceness`."""
+    import torch
+
     from backends.core.adapters.shm_tensors import read_tensors
 
     drop_cache([path])
@@ -109,8 +113,6 @@ def timed_read(path: str, staging, niceness: int) -> float:
 
     def read() -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), niceness)
-        import torch
-
         with torch.cuda.stream(torch.cuda.Stream()):
             start = time.perf_counter()
             read_tensors(path, "cuda", staging)
@@ -141,7 +143,7 @@ def main() -> None:
     unet = sdxl_unet_config(args.work / "unet-config")
     (lora,) = write_loras(args.work / "adapters", unet, [args.mib], 1e-3, "cuda")
     staging = Staging()
-    loop = GraphLoop(torch)
+    loop = GraphLoop()
     nothing = contextlib.nullcontext()
     seconds: dict[str, list[float]] = {c: [] for c in CONDITIONS}
     replays_per_s: list[float] = []

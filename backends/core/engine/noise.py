@@ -56,8 +56,10 @@ def half_tables(maths: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     `normal_fill_16<c10::Half>` does under `maths` (see MATHS)."""
     if maths not in MATHS:
         raise ValueError(f"noise: maths {maths!r} is not one of {MATHS}")
+
     def call(name: str, x: np.ndarray) -> np.ndarray:
-        out = np.array([getattr(libm(), name)(float(v)) for v in x.astype(np.float32)], dtype=np.float32)
+        fn = getattr(libm(), name)
+        out = np.array([fn(float(v)) for v in x.astype(np.float32)], dtype=np.float32)
         return out.astype(np.float16).astype(np.float32) if maths == "half" else out
 
     n = 1 << UNIFORM_BITS
