@@ -97,6 +97,7 @@ class TritonPythonModel:
         setup_stub()
         params = parameters(args)
         self.placement = placement(args)
+        self.placement.make_current()
         self.device = torch.device(self.placement.device)
         self.cache = ControlNetCache(AdapterStore(adapter_store_folder(args)), self.placement,
                                      budget_bytes=int(params["cache_bytes"]))

@@ -82,6 +82,7 @@ class TritonPythonModel:
         self.sender = threading.Thread(target=self._send_loop, name="easel-denoise-sender", daemon=True)
         self.sender.start()
         where = placement(args)
+        where.make_current()
         store_folder = adapter_store_folder(args)
 
         def controlnets(engine, store):  # the ControlNet service, by BLS

@@ -31,7 +31,9 @@ class TritonPythonModel:
         setup_stub()
         self.limits = limits(args)
         store_folder = adapter_store_folder(args)  # LoRAs' text-encoder layers apply here
-        self.encoder = PromptEncoder(artifact_folder(args), placement(args),
+        where = placement(args)
+        where.make_current()
+        self.encoder = PromptEncoder(artifact_folder(args), where,
                                      AdapterStore(store_folder) if store_folder else None,
                                      graphs=parameters(args).get("graphs", "false") == "true")
         # Graphs are captured now, not on the first request.

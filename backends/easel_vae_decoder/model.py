@@ -34,7 +34,9 @@ class TritonPythonModel:
         flags = {k: params.get(k, "false") == "true" for k in ("graphs", "fused_kernels")}
         attention = Placement(dtype=params.get("attention_dtype", "fp32")).torch_dtype
         dtype = Placement(dtype=params["vae_dtype"]).torch_dtype if "vae_dtype" in params else None
-        self.decoder = LatentDecoder(artifact_folder(args), placement(args), dtype=dtype, attention_dtype=attention,
+        where = placement(args)
+        where.make_current()
+        self.decoder = LatentDecoder(artifact_folder(args), where, dtype=dtype, attention_dtype=attention,
                                      **flags)
         # The default size's graph is captured now (cuDNN's algorithm search included: about 2 s at
         # 1024 px on an H200), not on the first request of that size.

@@ -11,26 +11,41 @@ def capture(fn, args: tuple, pool=None, compiled: bool = False, warmup_runs: int
     a compile finishes, allocations settle), capture it into a CUDA graph, and return the graph and
     its static outputs. `args` are the graph's static inputs: copy new values into them, then
     replay. A compiled `fn` sees dimension 0 (rows) as dynamic, so one compile serves every row
-    count (compiling the SDXL halves took 83 s per shape on an H200); each still gets its graph."""
+    count (compiling the SDXL halves took 83 s per shape on an H200); each still gets its graph.
+
+    The graph is captured on the inputs' device, whatever the calling thread's current device is.
+    A capture records only the work queued on its own stream, and kernels follow their tensors'
+    device: captured on a stream of another device, `fn`'s kernels went to their own device's
+    default stream instead, outside the graph (a ControlNet instance on GPU 1 in a thread whose
+    current device was 0 failed its capture with cudaErrorStreamCaptureInvalidated)."""
+    device = _device_of(args)
     if compiled:
         from torch._dynamo import maybe_mark_dynamic
 
         for t in _tensors(args):
             maybe_mark_dynamic(t, 0)
-    current = torch.cuda.current_stream()
-    side = torch.cuda.Stream()
-    side.wait_stream(current)
-    with torch.cuda.stream(side):
-        for _ in range(warmup_runs):
-            fn(*args)
-    current.wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    # On the side stream, which is on the current device: torch.cuda.graph's default capture
-    # stream is one for the process, made on whichever device captured first. thread_local:
-    # loader and BLS threads may allocate while this thread captures.
-    with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
-        out = fn(*args)
+    with torch.cuda.device(device):
+        current = torch.cuda.current_stream(device)
+        side = torch.cuda.Stream(device)
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(warmup_runs):
+                fn(*args)
+        current.wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        # On the side stream: torch.cuda.graph's default capture stream is one for the process,
+        # made on whichever device captured first. thread_local: loader and BLS threads may
+        # allocate while this thread captures.
+        with torch.cuda.graph(graph, pool=pool, stream=side, capture_error_mode="thread_local"):
+            out = fn(*args)
     return graph, out
+
+
+def _device_of(args: tuple) -> torch.device:
+    devices = {t.device for t in _tensors(args) if t.is_cuda}
+    if len(devices) != 1:
+        raise ValueError(f"capture: a graph's inputs must be on one CUDA device, got {sorted(map(str, devices))}")
+    return devices.pop()
 
 
 def _tensors(args):
