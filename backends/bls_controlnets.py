@@ -28,6 +28,7 @@ from backends.core.adapters.controlnet import ControlCall, Residuals
 
 
 MAX_SESSIONS = 4096  # sessions remembered as sent (a request has one per ControlNet)
+CALL_PARTS = ("call", "ready", "exec", "outputs")
 
 
 def to_triton(name: str, tensor: torch.Tensor):
@@ -53,7 +54,10 @@ class BlsControlNets:
         self.store = store
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="easel-controlnet-bls")
         self._streams = threading.local()  # each worker copies results on streams of its own, one per device
-        self.call_s = 0.0  # wall time of the calls, summed (a metric)
+        # The calls' wall time, summed, and its parts (metrics): `ready` waiting for the step's
+        # inputs on the GPU, `exec` the BLS request (the service's compute, Triton's hand-offs and
+        # the residuals' transfer), `outputs` taking the residuals onto the denoiser's device.
+        self.seconds = dict.fromkeys(CALL_PARTS, 0.0)
         self._lock = threading.Lock()
         self.instances = instances
         # session -> calls that carried its constants
@@ -70,12 +74,21 @@ class BlsControlNets:
         device = torch.device(call.device) if call.device is not None else call.sample.device
         if call.ready is not None:
             call.ready.synchronize()
+        ready, executed = time.perf_counter(), None
         with self._stream(device):
             try:
-                return self._exec(call, device)
+                response = self._exec(call, device)
+                executed = time.perf_counter()
+                out = {t.name(): to_torch(t).to(device) for t in response.output_tensors()}
+                sync_current_stream(out["mid"])  # the copies are done before the response's buffers go back
+                return [out[n] for n in self.outputs[:-1]], out["mid"]
             finally:
+                end = time.perf_counter()
+                executed = executed or end  # (a request that failed spent the rest in it)
                 with self._lock:
-                    self.call_s += time.perf_counter() - start
+                    for part, seconds in (("call", end - start), ("ready", ready - start), ("exec", executed - ready),
+                                          ("outputs", end - executed)):
+                        self.seconds[part] += seconds
 
     def _stream(self, device: torch.device):
         if device.type != "cuda":
@@ -87,7 +100,7 @@ class BlsControlNets:
             streams[device] = torch.cuda.Stream(device)
         return torch.cuda.stream(streams[device])
 
-    def _exec(self, call: ControlCall, device: torch.device) -> Residuals:
+    def _exec(self, call: ControlCall, device: torch.device):
         # A session's constants go with its first calls, one per instance of the service (Triton
         # spreads the calls of one request over them: an instance that never got them would ask
         # at every call), and again to an instance that asks (backends/core/adapters/control_sessions.py).
@@ -107,9 +120,7 @@ class BlsControlNets:
                 self._sessions.move_to_end(call.session)
                 while len(self._sessions) > MAX_SESSIONS:
                     self._sessions.popitem(last=False)
-        out = {t.name(): to_torch(t).to(device) for t in response.output_tensors()}
-        sync_current_stream(out["mid"])  # the copies are done before the response's buffers go back
-        return [out[n] for n in self.outputs[:-1]], out["mid"]
+        return response
 
     def _request(self, call: ControlCall, device: torch.device, constants: bool):
         inputs = [

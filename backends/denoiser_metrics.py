@@ -78,7 +78,14 @@ class ControlNetCallMetrics:
         self.engine = engine
         self.metrics = Metrics({"model": args["model_name"]}, {
             "calls": ("easel_controlnet_calls_total", "ControlNet calls made by the denoiser", "counter"),
-            "call_s": ("easel_controlnet_call_seconds_total", "wall time of those calls (BLS)", "counter"),
+            "call": ("easel_controlnet_call_seconds_total", "wall time of those calls (BLS)", "counter"),
+            "ready": ("easel_controlnet_call_ready_seconds_total",
+                      "of the calls' wall time, waiting for the step's inputs on the GPU", "counter"),
+            "exec": ("easel_controlnet_call_exec_seconds_total",
+                     "of the calls' wall time, the BLS request: the service's compute, Triton's hand-offs "
+                     "and the residuals' transfer", "counter"),
+            "outputs": ("easel_controlnet_call_outputs_seconds_total",
+                        "of the calls' wall time, taking the residuals onto the denoiser's device", "counter"),
             "wait_s": ("easel_controlnet_wait_seconds_total",
                        "seconds the decoder half waited for ControlNet residuals", "counter"),
         })
@@ -86,7 +93,8 @@ class ControlNetCallMetrics:
     def update(self) -> None:
         self.metrics.set_total("calls", self.engine.control_calls)
         self.metrics.set_total("wait_s", self.engine.control_wait_s)
-        self.metrics.set_total("call_s", getattr(self.engine.controlnets, "call_s", 0.0))
+        for part, seconds in getattr(self.engine.controlnets, "seconds", {}).items():
+            self.metrics.set_total(part, seconds)
 
 
 class RuntimeMetrics:

@@ -175,13 +175,18 @@ def markdown(results: dict) -> str:
     breakdowns = [(label(e), (e.get("easel") or {}).get("controlnet_per_call")) for e in configs]
     if any(b for _, b in breakdowns):
         lines += ["", "## ControlNet calls (latency requests; means per call, from the server's metrics)", "",
-                  "| configuration | calls | BLS wall ms | service compute ms | transfer + overhead ms "
-                  "| decoder wait ms / step | graph replays | session misses |", "| --- |" + " --- |" * 7]
+                  "BLS wall: the denoiser's call, from submitting it to its residuals on the denoiser's GPU, in parts "
+                  "where the server reports them: waiting for the step's inputs on the GPU, the BLS request (the "
+                  "service's compute and the hand-off: Triton and the residuals' transfer), taking the residuals.", "",
+                  "| configuration | calls | BLS wall ms | inputs wait ms | BLS request ms | service compute ms "
+                  "| hand-off ms | taking residuals ms | transfer + overhead ms | decoder wait ms / step "
+                  "| graph replays | session misses |", "| --- |" + " --- |" * 11]
         for name, b in breakdowns:
             if b:
-                lines.append(f"| {name} | {b['calls']:.0f} | {secs(b['bls_wall_ms'], 1)} | {secs(b['compute_ms'], 1)} "
-                             f"| {secs(b['transfer_and_overhead_ms'], 1)} | {secs(b['decoder_wait_ms_per_step'], 1)} "
-                             f"| {b.get('graph_replays', 0):.0f} | {b.get('session_misses', 0):.0f} |")
+                lines.append(f"| {name} | {b['calls']:.0f} | " + " | ".join(secs(b.get(k), 1) for k in (
+                    "bls_wall_ms", "ready_ms", "exec_ms", "compute_ms", "handoff_ms", "outputs_ms",
+                    "transfer_and_overhead_ms", "decoder_wait_ms_per_step"))
+                    + f" | {b.get('graph_replays', 0):.0f} | {b.get('session_misses', 0):.0f} |")
     ideals = [(label(e), (e.get("easel") or {}).get("controlnet_ideal")) for e in configs]
     if any(i for _, i in ideals):
         lines += ["", "## ControlNets against Gustafson's ideal (same run's parts, ms per step)", "",

@@ -159,7 +159,10 @@ def controlnet_breakdown(before: dict, after: dict) -> dict | None:
     """Where a ControlNet call's time went over the latency requests (one at a time), from the
     metrics' deltas: the denoiser's BLS wall time per call, the service's compute (inputs to
     residuals), the rest (transfers, Triton and the BLS threads), and what the decoder half
-    waited for residuals per step. None without ControlNet calls."""
+    waited for residuals per step. The wall time's parts, where the server reports them: waiting
+    for the step's inputs on the GPU (`ready`), the BLS request (`exec`; less the compute, the
+    hand-off: Triton and the residuals' transfer) and taking the residuals (`outputs`). None
+    without ControlNet calls."""
     def delta(name):
         return (_total(after, name) or 0.0) - (_total(before, name) or 0.0)
 
@@ -168,11 +171,16 @@ def controlnet_breakdown(before: dict, after: dict) -> dict | None:
         return None
     wall, compute = delta("easel_controlnet_call_seconds_total"), delta("easel_controlnet_compute_seconds_total")
     steps = delta("easel_denoiser_step_rows_count")
-    return {"calls": calls, "steps": steps, "bls_wall_ms": 1000 * wall / calls, "compute_ms": 1000 * compute / calls,
-            "transfer_and_overhead_ms": 1000 * (wall - compute) / calls,
-            "decoder_wait_ms_per_step": 1000 * delta("easel_controlnet_wait_seconds_total") / steps if steps else None,
-            "session_misses": delta("easel_controlnet_session_misses_total"),
-            "graph_replays": delta("easel_controlnet_graph_replays_total")}
+    out = {"calls": calls, "steps": steps, "bls_wall_ms": 1000 * wall / calls, "compute_ms": 1000 * compute / calls,
+           "transfer_and_overhead_ms": 1000 * (wall - compute) / calls,
+           "decoder_wait_ms_per_step": 1000 * delta("easel_controlnet_wait_seconds_total") / steps if steps else None,
+           "session_misses": delta("easel_controlnet_session_misses_total"),
+           "graph_replays": delta("easel_controlnet_graph_replays_total")}
+    if _total(after, "easel_controlnet_call_exec_seconds_total") is not None:  # a server that reports the parts
+        parts = {p: delta(f"easel_controlnet_call_{p}_seconds_total") for p in ("ready", "exec", "outputs")}
+        out.update({f"{p}_ms": 1000 * v / calls for p, v in parts.items()},
+                   handoff_ms=1000 * (parts["exec"] - compute) / calls)
+    return out
 
 
 def _part_totals(snapshot: dict | None, name: str) -> dict[str, float]:
@@ -496,6 +504,13 @@ def summarize(e: dict, gpu: str) -> None:
                  e.get("throughput_steps"), secs(row["easel"]), secs(row["diffusers_eager"]),
                  secs(row["diffusers_compiled"]))
     log.info("Easel stages (median s): %s", {k: round(v, 4) for k, v in (e.get("easel_stages_median_s") or {}).items()})
+    ideal = (e.get("easel") or {}).get("controlnet_ideal")
+    if ideal:
+        log.info("ControlNets, ms a step: encoder %.1f, ControlNet %.1f, decoder %.1f, waited %.1f; step %.1f, "
+                 "Gustafson's ideal %.1f, serial %.1f: speed-up %s of the ideal's %s (%.0f%% of the ideal)",
+                 ideal["encoder_ms"], ideal["controlnet_ms"], ideal["decoder_ms"], ideal["wait_ms"], ideal["step_ms"],
+                 ideal["ideal_step_ms"], ideal["serial_step_ms"], times(ideal["speedup"]),
+                 times(ideal["ideal_speedup"]), 100 * ideal["of_ideal"])
     log.info("cold start: first %s s (cache empty), second %s s (cache warm)", secs(e["cold_start_first_s"], 1),
              secs(e["cold_start_second_s"], 1))
     f = e.get("fidelity") or {}

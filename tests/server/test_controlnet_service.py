@@ -45,6 +45,9 @@ def test_two_denoisers_share_one_controlnet_service(shared, server):
     assert delta["calls"] == calls
     call_s, compute_s = (metric_total(shared, f"easel_controlnet_{k}_seconds_total") for k in ("call", "compute"))
     assert call_s >= compute_s > 0
+    # The wall time's parts add up to it, and the BLS request holds the service's compute.
+    parts = {k: metric_total(shared, f"easel_controlnet_call_{k}_seconds_total") for k in ("ready", "exec", "outputs")}
+    assert sum(parts.values()) == pytest.approx(call_s, rel=1e-3) and parts["exec"] >= compute_s
     assert 0 < metric_total(shared, "easel_controlnet_wait_seconds_total") <= call_s
 
 

@@ -173,6 +173,17 @@ def test_controlnet_breakdown_from_metric_deltas():
     b = easel_bench.controlnet_breakdown(snap(2, 0.1, 0.06, 0.01, 2), snap(102, 5.1, 3.06, 0.51, 52))
     assert b["calls"] == 100 and b["bls_wall_ms"] == pytest.approx(50) and b["compute_ms"] == pytest.approx(30)
     assert b["transfer_and_overhead_ms"] == pytest.approx(20) and b["decoder_wait_ms_per_step"] == pytest.approx(10)
+    assert "exec_ms" not in b  # a server from before the call's parts
+    # The wall time's parts: 8 ms waiting for the inputs, 38 in the BLS request (30 of compute), 4 taking them.
+    parts = {"ready": 0.8, "exec": 3.8, "outputs": 0.4}
+    after = {**snap(102, 5.1, 3.06, 0.51, 52),
+             **{f"easel_controlnet_call_{k}_seconds_total": {'model="d0"': v} for k, v in parts.items()}}
+    b = easel_bench.controlnet_breakdown(snap(2, 0.1, 0.06, 0.01, 2), after)
+    assert (b["ready_ms"], b["exec_ms"], b["outputs_ms"]) == pytest.approx((8, 38, 4))
+    assert b["handoff_ms"] == pytest.approx(38 - 30)
+    assert "| 8.0 | 38.0 | 30.0 | 8.0 | 4.0 |" in easel_bench.markdown(
+        {"gpu": "g", "configs": [{"name": "1C/0L", "gpus": [0], "size": 1024, "steps": 50,
+                                  "easel": {"controlnet_per_call": b}}]})
     assert easel_bench.controlnet_breakdown(snap(2, 0.1, 0.06, 0, 2), snap(2, 0.1, 0.06, 0, 9)) is None
 
 

@@ -14,10 +14,12 @@ def capture(fn, args: tuple, pool=None, compiled: bool = False, warmup_runs: int
     count (compiling the SDXL halves took 83 s per shape on an H200); each still gets its graph.
 
     The graph is captured on the inputs' device, whatever the calling thread's current device is.
-    A capture records only the work queued on its own stream, and kernels follow their tensors'
-    device: captured on a stream of another device, `fn`'s kernels went to their own device's
-    default stream instead, outside the graph (a ControlNet instance on GPU 1 in a thread whose
-    current device was 0 failed its capture with cudaErrorStreamCaptureInvalidated)."""
+    A capture records only the work queued on its own stream, and kernels go to their tensors'
+    device: with the side stream made on the thread's current device (GPU 0) and the inputs on
+    GPU 1, `fn` ran eagerly beside an empty capture. Small models' replays then did nothing and
+    returned the capture run's outputs, whatever the new inputs (ControlNets, text encoders and
+    VAE placed on GPU 1); an SDXL ControlNet's capture failed outright
+    (cudaErrorStreamCaptureInvalidated). bench/results/2026-11-27-h200x4/notes.md has both."""
     device = _device_of(args)
     if compiled:
         from torch._dynamo import maybe_mark_dynamic
