@@ -70,6 +70,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "shared memory, logging, tracing, model repository, statistics) to "
                         "requests with header easel-admin-key; or set EASEL_ADMIN_KEY. "
                         "Without either they stay closed")
+    s.add_argument("--max-restarts", type=int, metavar="N",
+                   help="stop once tritonserver (or the OpenAI API) needed N restarts within ten "
+                        "minutes (default: keep restarting, waiting up to 60 s between restarts)")
     s.add_argument("--openai-port", type=int, metavar="PORT",
                    help="also serve the OpenAI images API (easel openai) on PORT, started once "
                         "the server is ready and stopped after its drain; foreground only")
@@ -121,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="most images per request (default: %(default)s)")
     o.add_argument("--timeout", type=float, metavar="S",
                    help="each image's deadline in seconds (default: the client's, 3600)")
+    o.add_argument("--max-body-mib", type=float, default=32.0, metavar="MIB",
+                   help="a request body's limit; past it: 413 (default: %(default)s)")
+    o.add_argument("--docs", action="store_true", help="also serve /docs and /openapi.json")
 
     for name, text in EXPORT_COMMANDS.items():
         # Parsed by export.cli; registered here only so `easel --help` lists them.
@@ -235,6 +241,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.pid_file and not args.detach:
         print("easel serve: --pid-file needs --detach", file=sys.stderr)
         return 2
+    if args.max_restarts is not None and args.max_restarts < 0:
+        print("easel serve: --max-restarts must be 0 or more", file=sys.stderr)
+        return 2
     try:
         admin_key = (args.admin_key_file.read_text().strip() if args.admin_key_file
                      else os.environ.get("EASEL_ADMIN_KEY") or None)
@@ -242,7 +251,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      args.log_verbose, foreground=not args.detach,
                      timeout=args.timeout, pid_file=args.pid_file,
                      drain_timeout=args.drain_timeout, admin_key=admin_key,
-                     openai_port=args.openai_port)
+                     openai_port=args.openai_port, max_restarts=args.max_restarts)
     except (FileNotFoundError, ValueError) as e:
         print(f"easel serve: {e}", file=sys.stderr)
         return 1
@@ -254,8 +263,11 @@ def cmd_openai(args: argparse.Namespace) -> int:
     if args.max_n < 1:
         print("easel openai: --max-n must be at least 1", file=sys.stderr)
         return 2
+    if not args.max_body_mib > 0:
+        print("easel openai: --max-body-mib must be positive", file=sys.stderr)
+        return 2
     run(args.triton, host=args.host, port=args.port, model=args.model, max_n=args.max_n,
-        timeout_s=args.timeout)
+        timeout_s=args.timeout, max_body_bytes=int(args.max_body_mib * 2**20), docs=args.docs)
     return 0
 
 

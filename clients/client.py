@@ -9,7 +9,7 @@ import queue
 import re
 import time
 from dataclasses import dataclass, field, fields
-from typing import Any, Iterator
+from typing import Any, Callable, Iterator
 
 import numpy as np
 
@@ -137,7 +137,15 @@ def build_inputs(request: GenerateRequest, protocol: str = "http") -> list:
         datatype, dtype = INPUT_TYPES[f.name]
         values = list(value) if isinstance(value, (tuple, list)) else [value]
         if dtype is np.object_:
-            values = [v if isinstance(v, bytes) else str(v).encode("utf-8") for v in values]
+            try:
+                values = [v if isinstance(v, bytes) else str(v).encode("utf-8") for v in values]
+            except UnicodeEncodeError:  # a lone surrogate ("\ud800") has no UTF-8
+                raise ValueError(f"{f.name}: is not valid UTF-8 text") from None
+        elif np.issubdtype(dtype, np.integer):  # numpy would wrap a value past the type's range
+            bounds = np.iinfo(dtype)
+            for v in values:
+                if not bounds.min <= int(v) <= bounds.max:
+                    raise ValueError(f"{f.name}: {v} is outside {datatype}'s [{bounds.min}, {bounds.max}]")
         arr = np.array(values, dtype=dtype)
         tensor = mod.InferInput(f.name, [len(values)], datatype)
         tensor.set_data_from_numpy(arr)
@@ -162,7 +170,7 @@ class EaselClient:
                 self.url, connection_timeout=min(self.timeout_s, 60.0),
                 network_timeout=self.timeout_s)
         else:
-            self._client = self._mod.InferenceServerClient(self.url)
+            self._client = self._mod.InferenceServerClient(self.url, channel_args=grpc_channel_args())
 
     def close(self) -> None:
         self._client.close()
@@ -219,6 +227,48 @@ class EaselClient:
                 client.close()
         return parse_result(result.as_numpy("image"), result.as_numpy("info"))
 
+    def start(self, request: GenerateRequest, on_done: Callable[[GenerateResult | EaselError], None],
+              timeout_s: float | None = None) -> Callable[[], None]:
+        """`request` sent without waiting (gRPC): `on_done` gets its GenerateResult, or an
+        EaselError, on one of tritonclient's threads. Returns a function that cancels the request:
+        the server drops it at its next denoising step (`easel` sees a gRPC cancel,
+        backends/bls_pipeline.py), and `on_done` gets the cancel's error."""
+        if self.protocol != "grpc":
+            raise EaselError("a request that can be cancelled needs --protocol grpc (HTTP has no cancel)")
+        timeout_s = timeout_s or self.timeout_s
+
+        def done(result, error) -> None:
+            try:
+                if error is not None:
+                    answer = EaselError(error.message() or str(error), error.status())
+                else:
+                    answer = parse_result(result.as_numpy("image"), result.as_numpy("info"))
+            except Exception as exc:  # a malformed answer must still reach on_done
+                answer = EaselError(f"unreadable answer from {self.url}: {exc}")
+            on_done(answer)
+
+        call = self._client.async_infer(self.model, build_inputs(request, "grpc"), done,
+                                        outputs=[self._mod.InferRequestedOutput(n) for n in ("image", "info")],
+                                        timeout=int(timeout_s * 1e6), client_timeout=timeout_s)
+        return call.cancel
+
+    def limits(self) -> dict[str, Any]:
+        """The deployment's limits (backends/core/request/params.Limits' fields), as export wrote
+        them into the public model's config."""
+        from tritonclient.utils import InferenceServerException
+
+        try:
+            config = self._client.get_model_config(self.model, **({"as_json": True} if self.protocol == "grpc" else {}))
+        except InferenceServerException as e:
+            raise EaselError(e.message() or str(e), e.status()) from e
+        except (ConnectionError, OSError) as e:
+            raise EaselError(f"cannot reach Triton at {self.url} ({self.protocol}): {e}") from e
+        config = config.get("config", config)
+        try:
+            return json.loads(config["parameters"]["limits"]["string_value"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise EaselError(f"model {self.model!r} declares no limits (a repository from another export?)") from e
+
     def can_stream(self) -> bool:
         """Whether `stream` can run here: gRPC, and a repository with `easel_stream` (older ones
         have only `easel`)."""
@@ -247,7 +297,7 @@ class EaselClient:
             inputs.append(tensor)
         answers: queue.Queue = queue.Queue()
         # A client of its own: one stream per client in tritonclient, and streams may run at once.
-        client = self._mod.InferenceServerClient(self.url)
+        client = self._mod.InferenceServerClient(self.url, channel_args=grpc_channel_args())
         finished = False
         try:
             client.start_stream(callback=lambda result, error: answers.put((result, error)),
@@ -275,6 +325,22 @@ class EaselClient:
         finally:
             client.stop_stream(cancel_requests=not finished)
             client.close()
+
+
+def grpc_channel_args() -> list[tuple[str, Any]]:
+    """tritonclient's own channel options, and reconnects within a second: gRPC's default backoff
+    grows to minutes, so a client that saw the server restart kept failing for many seconds
+    after it was ready again."""
+    from tritonclient.grpc import KeepAliveOptions
+
+    keepalive, most = KeepAliveOptions(), 2**31 - 1  # (tritonclient's message size limit)
+    return [("grpc.max_send_message_length", most), ("grpc.max_receive_message_length", most),
+            ("grpc.keepalive_time_ms", keepalive.keepalive_time_ms),
+            ("grpc.keepalive_timeout_ms", keepalive.keepalive_timeout_ms),
+            ("grpc.keepalive_permit_without_calls", keepalive.keepalive_permit_without_calls),
+            ("grpc.http2.max_pings_without_data", keepalive.http2_max_pings_without_data),
+            ("grpc.initial_reconnect_backoff_ms", 200), ("grpc.min_reconnect_backoff_ms", 200),
+            ("grpc.max_reconnect_backoff_ms", 1000)]
 
 
 def stream_error(error) -> EaselError:

@@ -1,11 +1,16 @@
 """The OpenAI images API in front of Triton's `easel` model: `easel openai --triton HOST:PORT`.
 
 Serves `POST /v1/images/generations` (the OpenAI request body, plus Easel's own parameters as
-extra fields) and `GET /v1/models`, and forwards each image to Triton over gRPC with
-`clients.client.EaselClient`. The gRPC calls block, so they run in a thread pool: the event
-loop never waits on Triton, and the `n` images of a request run at once (the denoiser batches
-them). Errors come back as OpenAI error JSON, `{"error": {"message", "type", "param", "code"}}`,
-with the HTTP status of what happened (see `STATUS_MAP`).
+extra fields), `GET /v1/models` and `GET /health/ready`, and forwards each image to Triton over
+gRPC with `clients.client.EaselClient`, without waiting: the `n` images of a request run at once
+(the denoiser batches them), and a client that leaves has them cancelled at once. Errors come back
+as OpenAI error JSON, `{"error": {"message", "type", "param", "code"}}`, with the HTTP status of
+what happened (see `STATUS_MAP`).
+
+What a client cannot do: send a body over `max_body_bytes` or take longer than BODY_TIMEOUT_S to
+send it, hold a connection open without finishing its headers (HEADER_TIMEOUT_S), or get anything
+forwarded that breaks the deployment's limits: every request is checked here first, by the same
+rules as the server's (backends/core/request), against the limits the `easel` model declares.
 """
 from __future__ import annotations
 
@@ -25,12 +30,21 @@ from fastapi.responses import JSONResponse
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from clients.client import EaselClient, EaselError
+from backends.core.request.adapter_inputs import validate_request
+from backends.core.request.params import InvalidInput, Limits, strict_from_dict
+from clients.client import EaselClient, EaselError, GenerateRequest, GenerateResult
 
 log = logging.getLogger(__name__)
 
 MODEL = "easel"
 DEFAULT_MAX_N = 4  # images per request
+# A body past this is refused (413) before it is read: the largest request of the default limits
+# with three 1024 px control images as PNGs is a few MiB; incompressible 16 Mpixel ones are not.
+DEFAULT_MAX_BODY_BYTES = 32 << 20
+BODY_TIMEOUT_S = 60.0  # to send the whole body (408 past it)
+HEADER_TIMEOUT_S = 10.0  # to send a request's headers, from the connection or the previous response
+LIMITS_TTL_S = 10.0  # the deployment's limits are asked again after this (a new export may change them)
+DISCONNECT_POLL_S = 0.2  # how often a running request checks that its client is still there
 SEED_MAX = 2**63 - 1  # the `easel` model's limit
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 
@@ -201,6 +215,155 @@ def validation_error(exc: RequestValidationError) -> ApiError:
     return ApiError(400, f"{param}: {msg}", param=param, code="invalid_value")
 
 
+def invalid_input(exc: InvalidInput) -> ApiError:
+    """The server's own refusal, made here before forwarding: a 400 naming the body's field."""
+    base = exc.field.split("[", 1)[0]
+    return ApiError(400, clean_message(str(exc)), param=TRITON_FIELDS.get(base, base), code="invalid_value")
+
+
+def check_limits(kwargs: dict[str, Any], seed: int | None, limits: Limits) -> None:
+    """What preprocess would refuse (backends/core/request), refused before anything is sent:
+    sizes, steps, guidance, texts, adapters' counts, names and scales, control images (decoded,
+    so a bomb stops here). Raises ApiError 400."""
+    try:
+        validate_request({**kwargs, "seed": seed}, limits)
+    except InvalidInput as exc:
+        raise invalid_input(exc) from None
+
+
+class DeploymentLimits:
+    """The `easel` model's limits as its config declares them, asked again after LIMITS_TTL_S."""
+
+    def __init__(self, client: EaselClient):
+        self.client = client
+        self._limits: tuple[float, Limits] | None = None
+
+    def get(self) -> Limits:
+        now = time.monotonic()
+        if self._limits is None or now - self._limits[0] > LIMITS_TTL_S:
+            self._limits = (now, strict_from_dict(Limits, self.client.limits(), "limits"))
+        return self._limits[1]
+
+
+class BodyLimits:
+    """ASGI middleware: a request's body is read here first, refused with 413 past `max_bytes`
+    (at once when its Content-Length says so) and with 408 if it takes over `timeout_s`; the
+    route then reads it from memory, and later messages (a disconnect) from the client."""
+
+    def __init__(self, app, max_bytes: int, timeout_s: float = BODY_TIMEOUT_S):
+        self.app, self.max_bytes, self.timeout_s = app, max_bytes, timeout_s
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or ()).get(b"content-length")
+        if length is not None and (not length.isdigit() or int(length) > self.max_bytes):
+            return await self._refuse(send, 413, f"the body is over this server's limit of {self.max_bytes} "
+                                                  "bytes", "request_too_large")
+        chunks, size = [], 0
+        deadline = asyncio.get_running_loop().time() + self.timeout_s
+        while True:
+            try:
+                message = await asyncio.wait_for(receive(), deadline - asyncio.get_running_loop().time())
+            except asyncio.TimeoutError:
+                return await self._refuse(send, 408, f"the body did not arrive within {self.timeout_s:.0f} s",
+                                          "request_timeout")
+            if message["type"] == "http.disconnect":
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.max_bytes:
+                return await self._refuse(send, 413, f"the body is over this server's limit of {self.max_bytes} "
+                                                      "bytes", "request_too_large")
+            if not message.get("more_body"):
+                break
+        body = b"".join(chunks)
+        delivered = False
+
+        async def replay():
+            nonlocal delivered
+            if not delivered:
+                delivered = True
+                return {"type": "http.request", "body": body, "more_body": False}
+            return await receive()
+
+        await self.app(scope, replay, send)
+
+    @staticmethod
+    async def _refuse(send, status: int, message: str, code: str) -> None:
+        """The error, and the connection closed: the rest of the body is not read."""
+        response = error_response(status, message, "invalid_request_error", None, code)
+        response.headers["connection"] = "close"
+        await response({"type": "http"}, None, send)
+
+
+def _header_deadline_protocol(timeout_s: float):
+    """uvicorn's h11 protocol, closing a connection whose request headers are not all in within
+    `timeout_s` of its opening or of its last response (uvicorn waits for them for ever)."""
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadline(H11Protocol):
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self._arm_header_deadline()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self._arm_header_deadline()
+
+        def _arm_header_deadline(self):
+            self.loop.call_later(timeout_s, self._headers_late)
+
+        def _headers_late(self):
+            waiting = self.cycle is None or self.cycle.response_complete  # no request under way
+            if waiting and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeaderDeadline
+
+
+def uvicorn_config(app: FastAPI, host: str = "0.0.0.0", port: int = 8080,
+                   header_timeout_s: float = HEADER_TIMEOUT_S, **options):
+    """How `run` serves the API (tests use it too): the header deadline, no uvicorn log config."""
+    import uvicorn
+
+    return uvicorn.Config(app, host=host, port=port, http=_header_deadline_protocol(header_timeout_s),
+                          log_config=None, **options)
+
+
+class ClientLeft(Exception):
+    """The HTTP client went away before its images were ready; they were cancelled."""
+
+
+async def generate_all(client: EaselClient, requests: list[GenerateRequest], request: Request
+                       ) -> list[GenerateResult | EaselError]:
+    """Every request sent at once; their answers in order. If the HTTP client leaves first, all
+    are cancelled (the denoiser drops each at its next step) and ClientLeft is raised."""
+    loop = asyncio.get_running_loop()
+    futures, cancels = [], []
+    for r in requests:
+        future = loop.create_future()
+
+        def settle(answer, future=future):
+            loop.call_soon_threadsafe(lambda: future.done() or future.set_result(answer))
+
+        try:
+            cancels.append(client.start(r, settle))
+        except ValueError as exc:  # (build_inputs' own checks; check_limits passed first)
+            for cancel in cancels:
+                cancel()
+            raise ApiError(400, clean_message(str(exc)), code="invalid_value") from None
+        futures.append(future)
+    answers = asyncio.gather(*futures)
+    while not answers.done():
+        await asyncio.wait([answers], timeout=DISCONNECT_POLL_S)
+        if not answers.done() and await request.is_disconnected():
+            for cancel in cancels:
+                cancel()
+            raise ClientLeft(len(requests))
+    return answers.result()
+
+
 def _generate_kwargs(body: ImageGenerationRequest) -> dict[str, Any]:
     """EaselClient.generate keyword arguments for one image (seed left to the caller)."""
     width, height = body.width_height()
@@ -233,11 +396,15 @@ def _generate_kwargs(body: ImageGenerationRequest) -> dict[str, Any]:
 
 
 def create_app(triton_url: str, *, model: str = MODEL, max_n: int = DEFAULT_MAX_N,
-               timeout_s: float | None = None, max_workers: int = 32) -> FastAPI:
+               timeout_s: float | None = None, max_body_bytes: int = DEFAULT_MAX_BODY_BYTES,
+               body_timeout_s: float = BODY_TIMEOUT_S, docs: bool = False, max_workers: int = 8) -> FastAPI:
     """The API, forwarding each image to model `model` of the Triton at `triton_url` (gRPC,
     HOST:PORT). `max_n`: images per request; `timeout_s`: each image's deadline (default the
-    client's); `max_workers`: Triton requests in flight from this process at once."""
+    client's); `max_body_bytes`, `body_timeout_s`: a request body's limits; `docs`: serve /docs
+    and /openapi.json; `max_workers`: threads for checking requests (decoding control images)
+    and asking Triton."""
     client = EaselClient(triton_url, protocol="grpc", model=model, timeout_s=timeout_s)
+    limits = DeploymentLimits(client)
     pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="easel-openai")
 
     @asynccontextmanager
@@ -249,8 +416,10 @@ def create_app(triton_url: str, *, model: str = MODEL, max_n: int = DEFAULT_MAX_
             pool.shutdown(wait=False, cancel_futures=True)
             client.close()
 
-    app = FastAPI(title="Easel OpenAI images API", lifespan=lifespan)
+    app = FastAPI(title="Easel OpenAI images API", lifespan=lifespan, docs_url="/docs" if docs else None,
+                  redoc_url=None, openapi_url="/openapi.json" if docs else None)
     app.state.client = client
+    app.add_middleware(BodyLimits, max_bytes=max_body_bytes, timeout_s=body_timeout_s)
 
     @app.exception_handler(ApiError)
     async def _api_error(request: Request, exc: ApiError):
@@ -278,6 +447,13 @@ def create_app(triton_url: str, *, model: str = MODEL, max_n: int = DEFAULT_MAX_
     def model_card() -> dict:
         return {"id": model, "object": "model", "created": created, "owned_by": "easel"}
 
+    @app.get("/health/ready")
+    async def ready():
+        """200 while Triton's `easel` model is ready, else 503 (a load balancer's check)."""
+        if await asyncio.get_running_loop().run_in_executor(pool, client.is_ready):
+            return {"ready": True}
+        return error_response(503, "the inference server is not ready", "server_error", None, "unavailable")
+
     @app.get("/v1/models")
     async def list_models():
         return {"object": "list", "data": [model_card()]}
@@ -290,7 +466,7 @@ def create_app(triton_url: str, *, model: str = MODEL, max_n: int = DEFAULT_MAX_
         return model_card()
 
     @app.post("/v1/images/generations")
-    async def generations(body: ImageGenerationRequest):
+    async def generations(body: ImageGenerationRequest, request: Request):
         if body.model is not None and body.model != model:
             raise ApiError(404, f"model {body.model[:100]!r} does not exist; this server serves "
                                 f"{model!r}", param="model", code="model_not_found")
@@ -306,23 +482,27 @@ def create_app(triton_url: str, *, model: str = MODEL, max_n: int = DEFAULT_MAX_
                                 f"<= {SEED_MAX}", param="seed", code="invalid_value")
         n = body.n or 1
         kwargs = _generate_kwargs(body)
-        seeds = [None if body.seed is None else body.seed + i for i in range(n)]
         loop = asyncio.get_running_loop()
         start = time.monotonic()
-
-        def one(seed):
-            return client.generate(**kwargs, seed=seed)
-
-        futures = [loop.run_in_executor(pool, one, s) for s in seeds]
-        results = await asyncio.gather(*futures, return_exceptions=True)
+        try:
+            deployment = await loop.run_in_executor(pool, limits.get)
+        except EaselError as exc:
+            raise triton_error(exc) from None
+        await loop.run_in_executor(pool, check_limits, kwargs, body.seed, deployment)
+        requests = [GenerateRequest(**kwargs, seed=None if body.seed is None else body.seed + i) for i in range(n)]
+        try:
+            results = await generate_all(client, requests, request)
+        except ClientLeft:
+            log.info("images/generations n=%d: the client left after %.2f s; its images were cancelled", n,
+                     time.monotonic() - start)
+            return error_response(499, "the client closed the request", "invalid_request_error", None,
+                                  "client_closed_request")
         for r in results:
             if isinstance(r, EaselError):
                 err = triton_error(r)
                 log.warning("images/generations n=%d: %d %s (Triton: %s %s)", n, err.status,
                             err.message, r.status, str(r)[:300])
                 raise err
-            if isinstance(r, BaseException):
-                raise r
         log.info("images/generations n=%d size=%s: 200 in %.2f s", n, body.size or "auto",
                  time.monotonic() - start)
         first = results[0].info
@@ -345,4 +525,4 @@ def run(triton_url: str, host: str = "0.0.0.0", port: int = 8080, **options) -> 
 
     app = create_app(triton_url, **options)
     log.info("serving the OpenAI images API on http://%s:%d/v1", host, port)
-    uvicorn.run(app, host=host, port=port, log_config=None)
+    uvicorn.Server(uvicorn_config(app, host, port)).run()

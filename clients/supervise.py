@@ -32,7 +32,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import deque
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TextIO
 
@@ -41,8 +41,37 @@ from clients.serve import ServerStartError, TritonServer
 
 log = logging.getLogger(__name__)
 
-MAX_RESTARTS = 5  # within RESTART_WINDOW_S; past that the fault is not transient: give up
 RESTART_WINDOW_S = 600.0
+# The wait before each restart (of the server or the API), by how many came within RESTART_WINDOW_S
+# before it; the last repeats. A fault a client can cause again and again (a request that crashes
+# tritonserver) then costs the service a growing share of its time, never all of it.
+RESTART_BACKOFF_S = (0.0, 0.0, 5.0, 15.0, 30.0, 60.0)
+
+
+@dataclass
+class RestartPolicy:
+    """When the next restart may happen: after a backoff that grows with the restarts of the last
+    `window_s`; never again once there were `max_restarts` in the window (None: no cap, the
+    default: a service that gave up stays down until someone notices)."""
+
+    max_restarts: int | None = None
+    window_s: float = RESTART_WINDOW_S
+    backoff_s: tuple[float, ...] = RESTART_BACKOFF_S
+    times: deque = field(default_factory=deque)
+
+    def next_delay(self, now: float) -> float | None:
+        """Seconds to wait before the restart about to happen (counted from now), or None to give up."""
+        while self.times and now - self.times[0] > self.window_s:
+            self.times.popleft()
+        if self.max_restarts is not None and len(self.times) >= self.max_restarts:
+            return None
+        delay = self.backoff_s[min(len(self.times), len(self.backoff_s) - 1)]
+        self.times.append(now + delay)
+        return delay
+
+    @property
+    def recent(self) -> int:
+        return len(self.times)
 
 
 @dataclass(frozen=True)
@@ -61,6 +90,7 @@ class ServeOptions:
     # busy 2-core host).
     exit_timeout: int = 15
     openai_port: int | None = None  # the OpenAI images API beside the server; None: not started
+    max_restarts: int | None = None  # within RESTART_WINDOW_S, then stop; None: keep restarting
 
     @property
     def ports(self) -> tuple[int, int, int]:
@@ -141,7 +171,7 @@ class Supervisor:
         self._stop = threading.Event()
         self._signum = signal.SIGTERM
         self._serving = False
-        self._restarts: deque[float] = deque()
+        self._restarts = RestartPolicy(options.max_restarts)
         self.api: OpenAIApi | None = None
 
     def _new_server(self) -> TritonServer:
@@ -225,7 +255,7 @@ class Supervisor:
                     return self._shutdown() or 1
                 continue
             if not self._restart(reason):
-                return 1
+                return self._shutdown() if self._stop.is_set() else 1
             if self._stop.is_set():
                 break
         return self._shutdown()
@@ -242,40 +272,43 @@ class Supervisor:
         return None
 
     def _may_restart(self, reason: str) -> bool:
-        """Counts a restart (of the server or the API); False once there were MAX_RESTARTS in
-        the window."""
-        now = time.monotonic()
-        while self._restarts and now - self._restarts[0] > RESTART_WINDOW_S:
-            self._restarts.popleft()
-        if len(self._restarts) >= MAX_RESTARTS:
-            log.error("%s; %d restarts in %.0f s already, giving up", reason, len(self._restarts),
-                      RESTART_WINDOW_S)
+        """Waits out the next restart's backoff (of the server or the API; nothing serves
+        meanwhile); False if the operator's cap is reached or a stop came."""
+        delay = self._restarts.next_delay(time.monotonic())
+        if delay is None:
+            log.error("%s; %d restarts in %.0f s already (--max-restarts), giving up", reason,
+                      self._restarts.recent, RESTART_WINDOW_S)
             return False
-        self._restarts.append(now)
-        return True
+        if delay:
+            log.warning("%s; %d restarts in the last %.0f s: waiting %.0f s before the next", reason,
+                        self._restarts.recent - 1, RESTART_WINDOW_S, delay)
+        return not self._stop.wait(delay)
 
     def _restart_api(self) -> bool:
         """The API process died: start it again (the server keeps serving meanwhile)."""
         assert self.api is not None
         reason = f"easel openai exited with code {self.api.exited()}"
         if not self._may_restart(reason):
-            return False
+            return self._stop.is_set()
         log.error("%s; starting it again", reason)
         return self._start_api() or self._stop.is_set()
 
     def _restart(self, reason: str) -> bool:
+        """tritonserver killed and started again, after each failed start too, until it serves;
+        False if the operator's cap stopped it (or a stop came while it was down)."""
         now = time.monotonic()
-        if not self._may_restart(reason):
-            self.server.kill()
-            return False
         log.error("%s; restarting tritonserver (requests in flight fail with UNAVAILABLE)", reason)
         self._serving = False
         self.server.kill()
-        if not self._start():
-            return False
-        log.warning("recovered: tritonserver ready again %.1f s after the fault was seen",
-                    time.monotonic() - now)
-        return True
+        while self._may_restart(reason):
+            if self._start():
+                log.warning("recovered: tritonserver ready again %.1f s after the fault was seen",
+                            time.monotonic() - now)
+                return True
+            if self._stop.is_set():
+                return False
+            reason = "tritonserver did not start again"
+        return False
 
     def _shutdown(self) -> int:
         server = self.server

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import io
+import json
 import socket
 import threading
 import time
@@ -18,7 +19,9 @@ from openai import OpenAI
 from PIL import Image
 
 from clients.client import EaselClient
-from clients.openai_api import create_app
+from clients.openai_api import create_app, uvicorn_config
+from tests.server.conftest import metric_values
+from tests.server.test_cancel import LONG, counters, wait_for_cancel
 
 SMALL = {"steps": 2, "seed": 1}
 
@@ -30,9 +33,7 @@ def api(server):
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     sock.bind(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    config = uvicorn.Config(create_app(server.url_grpc, timeout_s=300), log_config=None,
-                            lifespan="on")
-    srv = uvicorn.Server(config)
+    srv = uvicorn.Server(uvicorn_config(create_app(server.url_grpc, timeout_s=300), lifespan="on"))
     thread = threading.Thread(target=srv.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + 30
@@ -105,10 +106,17 @@ def test_loras_and_controlnets_go_through(oai):
     ({"scheduler": "heun"}, 400, "scheduler", "unknown name 'heun'"),
     ({"loras": [{"name": "nosuch"}]}, 404, "loras", "unknown LoRA 'nosuch'"),
     ({"model": "dall-e-3"}, 404, "model", "does not exist"),
+    # Integers past int32 are refused, not wrapped to a small value.
+    ({"steps": 4294967300}, 400, "steps", "4294967300 is outside [1, "),
+    ({"steps": 2**64}, 400, "steps", f"{2**64} is outside [1, "),
+    ({"prompt": "a \ud800 cat"}, 400, "prompt", "not valid UTF-8"),
+    ({"negative_prompt": "\udfff"}, 400, "negative_prompt", "not valid UTF-8"),
+    ({"guidance_scale": 1e9}, 400, "guidance_scale", "outside [0, 50"),
 ])
 def test_errors_are_openai_json_with_the_right_status(api, body, status, param, text):
-    r = httpx.post(f"{api}/images/generations", timeout=300,
-                   json={"prompt": "a cat", "size": "64x64", **SMALL, **body})
+    # json.dumps escapes a lone surrogate ("\\ud800"), as a JSON client may send it.
+    r = httpx.post(f"{api}/images/generations", timeout=300, headers={"content-type": "application/json"},
+                   content=json.dumps({"prompt": "a cat", "size": "64x64", **SMALL, **body}))
     assert r.status_code == status, r.text
     error = r.json()["error"]
     assert set(error) == {"message", "type", "param", "code"}
@@ -128,3 +136,60 @@ def test_models_lists_easel(oai, api):
     assert [m.id for m in oai.models.list()] == ["easel"]
     assert httpx.get(f"{api}/models/easel").json()["id"] == "easel"
     assert httpx.get(f"{api}/models/other").status_code == 404
+
+
+def easel_requests(server) -> float:
+    """Requests Triton's `easel` model received, whatever became of them."""
+    return sum(v for labels, v in metric_values(server, "nv_inference_request_success").items()
+               if 'model="easel"' in labels) + \
+        sum(v for labels, v in metric_values(server, "nv_inference_request_failure").items()
+            if 'model="easel"' in labels)
+
+
+def png_b64(side: int) -> str:
+    buf = io.BytesIO()
+    Image.new("RGB", (side, side), (10, 20, 30)).save(buf, "PNG")
+    return base64.b64encode(buf.getvalue()).decode()
+
+
+@pytest.mark.parametrize("body, param, text", [
+    ({"n": 4, "controlnets": [{"name": "canny", "image": png_b64(8)}] * 100}, "controlnets",
+     "100 given, over the limit of 3"),
+    ({"controlnets": [{"name": "canny", "image": base64.b64encode(b"not an image").decode()}]}, "controlnets",
+     "control_images[0]: is not a decodable image"),
+    ({"controlnets": [{"name": "canny", "image": png_b64(8), "scale": 11}]}, "controlnets",
+     "control_scales[0]: 11 is outside [0, 10]"),
+    ({"loras": [{"name": "../etc"}]}, "loras", "loras[0]"),
+    ({"size": "4096x64"}, "size", "width: 4096 is outside"),
+    ({"prompt": "x" * 20000}, "prompt", "over the limit of 16384"),
+])
+def test_the_deployments_limits_are_checked_before_anything_is_forwarded(server, api, body, param, text):
+    before = easel_requests(server)
+    r = httpx.post(f"{api}/images/generations", timeout=60, json={"prompt": "a cat", "size": "64x64", **SMALL, **body})
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param and text in r.json()["error"]["message"], r.json()
+    assert easel_requests(server) == before  # Triton never saw it
+
+
+def test_a_client_that_leaves_has_its_images_cancelled_at_once(server, api):
+    """n = 2 long images; the client gives up after 1 s: the denoiser drops both at their next
+    step (each image is its own `easel` request), and the server serves the next request."""
+    before = counters(server)
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{api}/images/generations", timeout=1.0,
+                   json={"prompt": "a lighthouse", "n": 2, "size": f"{LONG['width']}x{LONG['height']}",
+                         "steps": LONG["steps"], "seed": 1})
+    wait_for_cancel(server, before)
+    end = time.monotonic() + 30
+    while counters(server)[0] < before[0] + 2:
+        assert time.monotonic() < end, "the second image was not cancelled"
+        time.sleep(0.2)
+    assert counters(server)[1] - before[1] < 2 * LONG["steps"]
+    assert httpx.post(f"{api}/images/generations", timeout=300, json={"prompt": "a cat", "size": "64x64", **SMALL}
+                      ).status_code == 200
+
+
+def test_readiness_and_no_docs(api):
+    root = api.removesuffix("/v1")
+    assert httpx.get(f"{root}/health/ready").status_code == 200
+    assert httpx.get(f"{root}/docs").status_code == 404 and httpx.get(f"{root}/openapi.json").status_code == 404

@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import socket
+import threading
+import time
 
 import pytest
 
@@ -13,7 +15,7 @@ pytest.importorskip("starlette", reason="starlette (easel openai's dependency) i
 from starlette.testclient import TestClient  # noqa: E402
 
 from clients.client import EaselError  # noqa: E402
-from clients.openai_api import create_app, triton_error  # noqa: E402
+from clients.openai_api import create_app, triton_error, uvicorn_config  # noqa: E402
 
 
 @pytest.mark.parametrize("status, message, http, param", [
@@ -81,3 +83,76 @@ def test_not_json_and_unknown_routes_are_openai_errors(app_client):
     r = app_client.get("/v1/nothing")
     assert r.status_code == 404 and "error" in r.json()
     assert [m["id"] for m in app_client.get("/v1/models").json()["data"]] == ["easel"]
+
+
+def test_docs_only_when_asked(app_client):
+    assert app_client.get("/docs").status_code == 404 and app_client.get("/openapi.json").status_code == 404
+    with TestClient(create_app(f"127.0.0.1:{_closed_port()}", docs=True)) as c:
+        assert c.get("/docs").status_code == 200 and c.get("/openapi.json").status_code == 200
+
+
+def test_readiness_follows_triton(app_client):
+    r = app_client.get("/health/ready")
+    assert r.status_code == 503 and r.json()["error"]["code"] == "unavailable"
+
+
+LIMIT = 1000  # body bytes, for the server below
+
+
+@pytest.fixture(scope="module")
+def small_limits():
+    """The API under uvicorn with a 1000-byte body limit, 1 s to send a body and 1 s to send
+    headers (real sockets: what a slow or oversized client meets); (host, port)."""
+    import uvicorn
+
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    app = create_app(f"127.0.0.1:{_closed_port()}", max_body_bytes=LIMIT, body_timeout_s=1.0)
+    server = uvicorn.Server(uvicorn_config(app, header_timeout_s=1.0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    end = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < end
+        time.sleep(0.05)
+    yield sock.getsockname()
+    server.should_exit = True
+    thread.join(30)
+    sock.close()
+
+
+def exchange(address, data: bytes, wait_s: float = 10.0) -> bytes:
+    """Send `data` (and nothing more), then read until the server closes the connection."""
+    with socket.create_connection(address, timeout=wait_s) as sock:
+        sock.sendall(data)
+        answer = b""
+        while chunk := sock.recv(65536):
+            answer += chunk
+        return answer
+
+
+HEAD = b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+
+
+def test_a_body_over_the_limit_is_refused_before_it_is_read(small_limits):
+    answer = exchange(small_limits, HEAD + b"Content-Length: 10000000000\r\n\r\n")
+    assert answer.startswith(b"HTTP/1.1 413") and b"request_too_large" in answer
+    # Without a length (chunked): refused once what arrived passes the limit.
+    chunk = b'{"prompt": "' + b"x" * 600
+    answer = exchange(small_limits, HEAD + b"Transfer-Encoding: chunked\r\n\r\n"
+                      + (b"%x\r\n%s\r\n" % (len(chunk), chunk)) * 2)
+    assert answer.startswith(b"HTTP/1.1 413")
+
+
+def test_a_slow_body_and_slow_headers_are_cut_off(small_limits):
+    start = time.monotonic()
+    answer = exchange(small_limits, HEAD + b"Content-Length: 100\r\n\r\n{\"prompt\"")
+    assert answer.startswith(b"HTTP/1.1 408") and b"request_timeout" in answer
+    assert time.monotonic() - start < 5
+    start = time.monotonic()
+    assert exchange(small_limits, b"POST /v1/images/generations HTTP/1.1\r\nHost: x\r\n") == b""
+    assert time.monotonic() - start < 5
+    # A request within the limits still passes them (and meets the unreachable Triton: 503).
+    body = b'{"prompt": "a cat"}'
+    answer = exchange(small_limits, HEAD + b"Connection: close\r\nContent-Length: %d\r\n\r\n%s" % (len(body), body))
+    assert answer.startswith(b"HTTP/1.1 503")

@@ -166,7 +166,10 @@ def _text(raw: Mapping[str, Any], name: str, limits: Limits, required: bool) -> 
             raise InvalidInput(name, "is required")
         return None
     if isinstance(value, str):
-        value = value.encode("utf-8")
+        try:
+            value = value.encode("utf-8")
+        except UnicodeEncodeError:  # a lone surrogate ("\ud800") has no UTF-8
+            raise InvalidInput(name, "is not valid UTF-8") from None
     if len(value) > limits.max_prompt_bytes:
         raise InvalidInput(name, f"is {len(value)} bytes, over the limit of {limits.max_prompt_bytes}")
     try:
