@@ -20,6 +20,7 @@ files.
 
 from __future__ import annotations
 
+import hashlib
 import math
 import os
 import re
@@ -45,9 +46,11 @@ def valid_key(key: str) -> bool:
 
 
 def preview_path(key: str, folder: str = SHM_DIR, server_pid: int | None = None) -> str:
+    """The request's file, named by a digest of its key: the key also cancels the request
+    (contract.DENOISER), and /dev/shm's names are there for any local user to list."""
     if not valid_key(key):
         raise ValueError(f"a preview key is 1 to {MAX_KEY_LENGTH} letters, digits, '_' or '-', not {key!r}")
-    return server_file(PREFIX, key, folder, server_pid)
+    return server_file(PREFIX, hashlib.sha256(key.encode()).hexdigest()[:32], folder, server_pid)
 
 
 class PreviewFile:

@@ -5,6 +5,7 @@ takes nothing, keys cannot name a path."""
 from __future__ import annotations
 
 import os
+import uuid
 
 import numpy as np
 import pytest
@@ -57,6 +58,14 @@ def test_a_key_never_names_a_path(key, tmp_path):
         write_preview(key, 1, latents(0), folder=str(tmp_path), server_pid=1)
 
 
+def test_a_files_name_does_not_give_its_key_away(tmp_path):
+    """The key also cancels its request: a local user listing /dev/shm must not learn it."""
+    key = uuid.uuid4().hex
+    path = preview_path(key, str(tmp_path), 1)
+    assert key not in path and key[:8] not in os.path.basename(path)
+    assert path == preview_path(key, str(tmp_path), 1) != preview_path(uuid.uuid4().hex, str(tmp_path), 1)
+
+
 def test_a_symlink_in_place_of_the_file_is_not_followed(tmp_path):
     target = tmp_path / "elsewhere"
     target.write_bytes(b"keep")
@@ -73,5 +82,6 @@ def test_files_of_a_server_that_is_gone_are_removed(tmp_path):
     PreviewFile("old", folder=str(tmp_path), server_pid=dead)
     live = PreviewFile("new", folder=str(tmp_path), server_pid=os.getpid())
     remove_orphan_previews(str(tmp_path))
-    assert [p.name for p in tmp_path.iterdir()] == [f"{PREFIX}{os.getpid()}-new"]
+    assert [str(p) for p in tmp_path.iterdir()] == [live.path]
+    assert os.path.basename(live.path).startswith(f"{PREFIX}{os.getpid()}-")
     live.close()
