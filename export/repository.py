@@ -242,7 +242,8 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
         decl = contract.controlnet_decl(num_skips(pipe.unet), contract.WIRE_DTYPES[dtype])
         (model / "config.pbtxt").write_text(python_model(
             "controlnet", "easel_controlnet", decl, options.controlnet_instances_group(),
-            {"dtype": dtype, "adapters": store, "cache_bytes": str(int(options.controlnet_cache_gib * 2**30)),
+            {**checks, "dtype": dtype, "adapters": store,
+             "cache_bytes": str(int(options.controlnet_cache_gib * 2**30)),
              # On a fast runtime each resident ControlNet runs as CUDA graphs, one per call shape,
              # of compiled code under `compiled`.
              "runtime": options.resolved_runtime,

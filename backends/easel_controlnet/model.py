@@ -26,14 +26,14 @@ from diffusers import ControlNetModel  # noqa: E402, F401  (pay the import when 
 
 from backends.bls_controlnets import sync_current_stream, to_triton  # noqa: E402
 from backends.core.adapters.store import AdapterStore  # noqa: E402
-from backends.core.adapters.controlnet import ControlCall, run_controlnet  # noqa: E402
+from backends.core.adapters.controlnet import ControlCall, check_call, run_controlnet  # noqa: E402
 from backends.core.adapters.controlnet_graphs import ControlNetGraphs  # noqa: E402
 from backends.core.adapters.control_sessions import CONSTANTS, MAX_KEY_CHARS, ControlSessions  # noqa: E402
-from backends.core.request.params import InvalidInput, UnknownAdapter  # noqa: E402
+from backends.core.request.params import InvalidInput, Limits, UnknownAdapter  # noqa: E402
 from backends.core.runtime.compile_cache import use_compile_cache  # noqa: E402
 from backends.core.adapters.controlnet_cache import ControlNetCache  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
-    Metrics, adapter_store_folder, drop_metrics, each_request, parameters, placement, scalar, setup_stub,
+    Metrics, adapter_store_folder, drop_metrics, each_request, limits, parameters, placement, scalar, setup_stub,
     version_folder)
 
 
@@ -98,6 +98,8 @@ class TritonPythonModel:
         params = parameters(args)
         self.placement = placement(args)
         self.placement.make_current()
+        # (a repository exported before the service had limits gets the defaults' bounds)
+        self.limits = limits(args) if "limits" in params else Limits()
         self.device = torch.device(self.placement.device)
         self.cache = ControlNetCache(AdapterStore(adapter_store_folder(args)), self.placement,
                                      budget_bytes=int(params["cache_bytes"]))
@@ -133,6 +135,7 @@ class TritonPythonModel:
         sample, timestep = (_tensor(request, n, self.device) for n in ("sample", "timestep"))
         image, embeds, pooled, time_ids = self._constants(request)
         call = ControlCall(name, scale, image, sample.to(dtype), timestep, embeds, pooled, time_ids)
+        check_call(call, self.limits)
         model = self.cache.acquire(name)
         try:
             down, mid = self.graphs.run(model, call) if self.graphs else run_controlnet(model, call)

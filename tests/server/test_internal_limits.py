@@ -138,6 +138,33 @@ def test_controlnet_service_checks_its_session_inputs(server, session, constants
     assert err.value.status() == f"StatusCode.{status}" and expected in err.value.message(), err.value.message()
 
 
+def _controlnet_call(rows=1, latent=8, image=64, tokens=77) -> list:
+    return [_tensor("name", np.array([b"canny"], dtype=np.object_), "BYTES"),
+            _tensor("scale", np.ones(1, np.float32), "FP32"),
+            _tensor("sample", np.zeros((rows, 4, latent, latent), np.float32), "FP32"),
+            _tensor("timestep", np.full(rows, 500.0, np.float32), "FP32"),
+            _tensor("prompt_embeds", np.zeros((rows, tokens, 64), np.float32), "FP32"),
+            _tensor("pooled_embeds", np.zeros((rows, 32), np.float32), "FP32"),
+            _tensor("time_ids", np.zeros((rows, 6), np.float32), "FP32"),
+            _tensor("image", np.zeros((rows, 3, image, image), np.float32), "FP32")]
+
+
+@pytest.mark.parametrize("call, expected", [
+    (dict(rows=64), "sample: has 64 rows; a call takes one request's 1 or 2"),
+    (dict(latent=384, image=3072), "image: is 3072x3072, over the limit of 256x256"),
+    (dict(latent=8, image=60), "sample: 8x8 latents do not scale to the 60x60 image"),
+    (dict(tokens=5000), "prompt_embeds: has shape (1, 5000, 64)"),
+])
+def test_controlnet_service_checks_its_own_sizes(server, call, expected):
+    """Called directly with what no request of this deployment makes, the ControlNet service
+    refuses before computing (it ran 3072 px latents of 64 rows before it checked)."""
+    with pytest.raises(InferenceServerException) as err:
+        grpcclient.InferenceServerClient(server.url_grpc).infer("controlnet", _controlnet_call(**call))
+    assert err.value.status() == "StatusCode.INVALID_ARGUMENT" and expected in err.value.message(), err.value.message()
+    ok = grpcclient.InferenceServerClient(server.url_grpc).infer("controlnet", _controlnet_call(rows=2))
+    assert ok.as_numpy("mid").shape[0] == 2
+
+
 def test_a_cancel_key_never_names_a_file(server):
     """Previews go through a file named by the request's cancel_key (backends/preview_board.py):
     a key that could name a path is refused, naming the field and what a key may hold."""

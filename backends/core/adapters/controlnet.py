@@ -21,6 +21,7 @@ from typing import Any, Protocol
 import torch
 
 from backends.core.adapters.controlnet_cache import ControlNetCache
+from backends.core.request.params import InvalidInput, Limits
 
 
 @dataclass
@@ -69,6 +70,34 @@ class ControlCall:
 
 
 Residuals = tuple[list[torch.Tensor], torch.Tensor]
+
+MAX_CALL_ROWS = 2  # a call carries one request's rows: one, or two with guidance
+MAX_TOKENS = 77  # the text encoders' (prompts are padded or truncated to it)
+
+
+def check_call(call: ControlCall, limits: Limits) -> None:
+    """A call is one request's rows at a size the deployment allows, or InvalidInput naming the
+    input: Triton cannot hide the ControlNet service, so it is checked on arrival as a request's
+    params are (a direct call with 3072 px latents and 64 rows otherwise ran)."""
+    if call.sample.dim() != 4:
+        raise InvalidInput("sample", f"has shape {tuple(call.sample.shape)}, not [rows, channels, height, width]")
+    rows, _, h, w = call.sample.shape
+    if not 1 <= rows <= MAX_CALL_ROWS:
+        raise InvalidInput("sample", f"has {rows} rows; a call takes one request's 1 or {MAX_CALL_ROWS}")
+    if call.image.dim() != 4 or tuple(call.image.shape[:2]) != (rows, 3):
+        raise InvalidInput("image", f"has shape {tuple(call.image.shape)}, not [{rows}, 3, height, width]")
+    ih, iw = call.image.shape[-2:]
+    if ih > limits.max_height or iw > limits.max_width:
+        raise InvalidInput("image", f"is {ih}x{iw}, over the limit of {limits.max_height}x{limits.max_width}")
+    if h == 0 or w == 0 or ih % h or iw % w or ih // h != iw // w:
+        raise InvalidInput("sample", f"{h}x{w} latents do not scale to the {ih}x{iw} image")
+    if call.embeds.dim() != 3 or call.embeds.shape[1] > MAX_TOKENS:
+        raise InvalidInput("prompt_embeds", f"has shape {tuple(call.embeds.shape)}, not [rows, at most "
+                                            f"{MAX_TOKENS} tokens, width]")
+    for name, t in (("timestep", call.timestep), ("prompt_embeds", call.embeds), ("pooled_embeds", call.pooled),
+                    ("time_ids", call.time_ids)):
+        if t.dim() == 0 or t.shape[0] != rows:
+            raise InvalidInput(name, f"has shape {tuple(t.shape)}, not the sample's {rows} rows")
 
 
 class ResidualProvider(Protocol):
