@@ -73,6 +73,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-restarts", type=int, metavar="N",
                    help="stop once tritonserver (or the OpenAI API) needed N restarts within ten "
                         "minutes (default: keep restarting, waiting up to 60 s between restarts)")
+    s.add_argument("--no-grpc-front", action="store_true",
+                   help="let clients reach tritonserver's gRPC port directly instead of through "
+                        "Easel's front, which drops the triton_grpc_error header (it crashes "
+                        "Triton 2.51): only behind a proxy of your own that drops it")
     s.add_argument("--openai-port", type=int, metavar="PORT",
                    help="also serve the OpenAI images API (easel openai) on PORT, started once "
                         "the server is ready and stopped after its drain; foreground only")
@@ -251,7 +255,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      args.log_verbose, foreground=not args.detach,
                      timeout=args.timeout, pid_file=args.pid_file,
                      drain_timeout=args.drain_timeout, admin_key=admin_key,
-                     openai_port=args.openai_port, max_restarts=args.max_restarts)
+                     openai_port=args.openai_port, max_restarts=args.max_restarts,
+                     grpc_front=not args.no_grpc_front)
     except (FileNotFoundError, ValueError) as e:
         print(f"easel serve: {e}", file=sys.stderr)
         return 1

@@ -488,12 +488,13 @@ def serve(repo: Path | str, http_port: int = 8000, grpc_port: int = 8001,
           timeout: float = 300.0, pid_file: Path | str | None = None,
           out: TextIO | None = None, drain_timeout: float = 30.0,
           admin_key: str | None = None, openai_port: int | None = None,
-          max_restarts: int | None = None) -> int:
+          max_restarts: int | None = None, grpc_front: bool = True) -> int:
     """Run tritonserver on `repo`; returns a process exit code.
 
     foreground: supervise it (clients/supervise.py: restarts on a crash, with a growing backoff,
-    until `max_restarts` within ten minutes if given; drains on SIGINT/SIGTERM; with
-    `openai_port`, `easel openai` beside it) and return its exit code.
+    until `max_restarts` within ten minutes if given; drains on SIGINT/SIGTERM; the public gRPC
+    port behind clients/grpc_front.py unless `grpc_front` is off; with `openai_port`, `easel
+    openai` beside it) and return its exit code.
     Otherwise return 0 once ready, leaving the server running unsupervised.
     """
     from clients.supervise import ServeOptions, Supervisor, busy_ports
@@ -502,7 +503,7 @@ def serve(repo: Path | str, http_port: int = 8000, grpc_port: int = 8001,
         raise ValueError("--openai-port needs the foreground (the API is supervised with the server)")
     options = ServeOptions(Path(repo), http_port, grpc_port, metrics_port, log_verbose,
                            ready_timeout=timeout, drain_timeout=drain_timeout, admin_key=admin_key,
-                           openai_port=openai_port, max_restarts=max_restarts)
+                           openai_port=openai_port, max_restarts=max_restarts, grpc_front=grpc_front)
     if foreground:
         return Supervisor(options).run()
     out = out or sys.stdout

@@ -16,6 +16,10 @@ on it (the public models' BLS calls) hang: Triton has no call that fails them, s
 stopping the server. SIGKILL fails them at once (clients see UNAVAILABLE), and a fresh start
 has a known state; the price is a full start (the compile cache keeps that short on GPUs).
 
+The public gRPC port is served by clients/grpc_front.py, which forwards every call to
+tritonserver's own gRPC port on loopback without the headers that crash Triton 2.51 (it lives
+here, so it outlasts tritonserver's restarts: meanwhile its calls get UNAVAILABLE).
+
 With `openai_port`, `easel openai` (clients/openai_api.py) runs beside the server as a child
 process, started once the server is ready and stopped after the drain: its requests in flight
 are admitted requests of the server, so they get their answers before it goes. A restart of
@@ -37,7 +41,8 @@ from pathlib import Path
 from typing import TextIO
 
 from clients import procs
-from clients.serve import ServerStartError, TritonServer
+from clients.grpc_front import GrpcFront
+from clients.serve import ServerStartError, TritonServer, free_port
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +96,8 @@ class ServeOptions:
     exit_timeout: int = 15
     openai_port: int | None = None  # the OpenAI images API beside the server; None: not started
     max_restarts: int | None = None  # within RESTART_WINDOW_S, then stop; None: keep restarting
+    # The public gRPC port served by clients/grpc_front.py, tritonserver's on loopback behind it.
+    grpc_front: bool = True
 
     @property
     def ports(self) -> tuple[int, int, int]:
@@ -173,12 +180,21 @@ class Supervisor:
         self._serving = False
         self._restarts = RestartPolicy(options.max_restarts)
         self.api: OpenAIApi | None = None
+        self.front: GrpcFront | None = None
+        self._triton_grpc_port = 0  # tritonserver's own gRPC port (the public one without the front)
+
+    @property
+    def triton_grpc(self) -> str:
+        """Where tritonserver itself takes gRPC (the front and the OpenAI API call it there)."""
+        return f"127.0.0.1:{self._triton_grpc_port if self.front else self.options.grpc_port}"
 
     def _new_server(self) -> TritonServer:
         o = self.options
-        return TritonServer(o.repo, o.http_port, o.grpc_port, o.metrics_port, o.log_verbose,
+        # Behind the front, tritonserver's gRPC port takes loopback calls only.
+        grpc = (self._triton_grpc_port, ("--grpc-address=127.0.0.1",)) if self.front else (o.grpc_port, ())
+        return TritonServer(o.repo, o.http_port, grpc[0], o.metrics_port, o.log_verbose,
                             ready_timeout=o.ready_timeout, echo=True, admin_key=o.admin_key,
-                            exit_timeout=o.exit_timeout)
+                            exit_timeout=o.exit_timeout, extra_args=grpc[1])
 
     def _on_signal(self, signum: int, _frame) -> None:
         server = self.server
@@ -197,6 +213,10 @@ class Supervisor:
             return 1
         previous = {sig: signal.signal(sig, self._on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
         try:
+            if self.options.grpc_front:
+                self._triton_grpc_port = free_port()
+                self.front = GrpcFront(f"127.0.0.1:{self._triton_grpc_port}", self.options.grpc_port).start()
+                self.options = replace(self.options, grpc_port=self.front.port)
             if not self._start():
                 return 1
             o = self.options
@@ -212,13 +232,15 @@ class Supervisor:
         finally:
             if self.api is not None:
                 self.api.stop()
+            if self.front is not None:  # after the drain: its calls in flight were admitted requests
+                self.front.stop(grace_s=0)
             for sig, handler in previous.items():
                 signal.signal(sig, handler)
 
     def _start_api(self) -> bool:
         o = self.options
         if self.api is None:
-            self.api = OpenAIApi(o.openai_port, f"localhost:{o.grpc_port}")
+            self.api = OpenAIApi(o.openai_port, self.triton_grpc)
         self.api.start()
         failed = self.api.wait_ready(o.ready_timeout, self._stop)
         if failed is None:
@@ -234,9 +256,12 @@ class Supervisor:
             self.server.start()
             # Port 0 means "any free port" once; a restart must come back on the same ones.
             self.options = replace(self.options, http_port=self.server.http_port,
-                                   grpc_port=self.server.grpc_port,
                                    metrics_port=self.server.metrics_port,
                                    admin_key=self.server.admin_key)
+            if self.front:
+                self._triton_grpc_port = self.server.grpc_port
+            else:
+                self.options = replace(self.options, grpc_port=self.server.grpc_port)
             self.server.wait_ready()
         except ServerStartError as err:
             self.server.stop(cleanup=False)
