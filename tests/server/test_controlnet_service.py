@@ -52,10 +52,13 @@ def test_two_denoisers_share_one_controlnet_service(shared, server):
 
 
 def test_broken_controlnet_file_fails_its_request_only(shared):
+    """Truncated weights in the store are refused as a corrupt config or a truncated LoRA is: a
+    400 that names the ControlNet (it was a 500)."""
     with EaselClient(shared.url_http) as c:
-        with pytest.raises(EaselError, match="controlnet"):
+        with pytest.raises(EaselError, match="ControlNet 'broken' cannot be read") as err:
             c.generate("a boat", seed=1, steps=2, width=64, height=64, controlnets=("broken",),
                        control_images=(png(1),))
+        assert err.value.status == "400", err.value.status
         ok = c.generate("a boat", seed=1, steps=2, width=64, height=64, controlnets=("depth",),
                         control_images=(png(1),))
         assert ok.image().size == (64, 64)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from backends.core.adapters.store import AdapterStore
-from backends.core.request.params import InvalidInput
+from backends.core.request.params import InvalidInput, no_paths, shorten
 from backends.core.runtime.placement import Placement
 
 log = logging.getLogger(__name__)
@@ -137,11 +137,15 @@ class ControlNetCache:
             config = json.loads(data)
         except ValueError:
             raise InvalidInput("controlnets", f"ControlNet {name!r} has a config that is not JSON") from None
-        with torch.device("meta"):
-            model = ControlNetModel.from_config(config)
+        try:
+            with torch.device("meta"):
+                model = ControlNetModel.from_config(config)
+            with entry.weights_file.path() as path:
+                state = load_file(path)  # memory-mapped (the mapping outlives the descriptor)
+        except Exception as exc:  # a config or weights that are not a ControlNet's: the store's, as for LoRAs
+            raise InvalidInput("controlnets", f"ControlNet {name!r} cannot be read ({exc.__class__.__name__}: "
+                                              f"{shorten(no_paths(str(exc)))})") from None
         device, dtype = torch.device(self.placement.device), self.placement.torch_dtype
-        with entry.weights_file.path() as path:
-            state = load_file(path)  # memory-mapped (the mapping outlives the descriptor)
         if device.type == "cuda":
             state = {k: v.to(dtype).pin_memory().to(device, non_blocking=True) for k, v in state.items()}
             torch.cuda.synchronize(device)
