@@ -56,8 +56,8 @@ RESTART_BACKOFF_S = (0.0, 0.0, 5.0, 15.0, 30.0, 60.0)
 @dataclass
 class RestartPolicy:
     """When the next restart may happen: after a backoff that grows with the restarts of the last
-    `window_s`; never again once there were `max_restarts` in the window (None: no cap, the
-    default: a service that gave up stays down until someone notices)."""
+    `window_s`; never again once there were `max_restarts` in the window. The default, None, is
+    no cap: a supervisor that gives up leaves the service down until someone notices."""
 
     max_restarts: int | None = None
     window_s: float = RESTART_WINDOW_S
