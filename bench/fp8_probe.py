@@ -14,7 +14,7 @@ image's PSNR against fp16's (the image says less: a random VAE saturates much of
 `fp8-ff` (feed-forward only: its products are the largest); `fp8-fast` (`fp8` with cuBLAS's fast
 accumulation).
 
-The eighteenth session's variants, since made the runtime's FP8 (results/2026-11-24b-h200, four
+The 2026-11-24b run's variants, since made the runtime's FP8 (results/2026-11-24b-h200, four
 runs on H200s, each in one process): the bias in the product's epilogue took a step from 26.88 to
 26.55 ms and from 27.10 to 26.70 (fast accumulation, attention's output projections in e4m3), and
 with those projections in fp16 from 27.88 to 26.54; the projections in fp16 gave 26.39 against

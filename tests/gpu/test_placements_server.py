@@ -10,7 +10,7 @@ without it is below 35 dB (at scale 1 it was 37.9 dB away), so residuals that we
 stale fail.
 The graphs runtime: the ControlNet service, the text encoders and the VAE replay CUDA graphs
 captured in stubs whose threads start on GPU 0. Needs two GPUs (`bench/gpu_tests.sh` on
-nvidia-h200-x2), four for the last placements; skipped elsewhere."""
+such a machine), four for the last placements; skipped elsewhere."""
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ graphs + fused kernels. Since the fused GroupNorm+SiLU keeps channels_last tenso
 and the residual blocks' convolution biases are folded into the fused ops (plugins/), the decoder
 runs NHWC from its mid block's attention on (cuDNN's NHWC convolutions, no layout copies):
 graphs + fused + bf16 attention 45 ms (57.8 before), bf16 29 ms (38), with or without
-`channels_last` (twenty-first session, bench/results/2026-11-24e-h200/notes.md).
+`channels_last` (the 2026-11-24e run, bench/results/2026-11-24e-h200/notes.md).
 
 `attention_dtype` (fp16 or bf16; for an fp32 VAE, as SDXL's upcast one): the mid block's
 attention (one head of 512 channels over all 16384 latent pixels at 1024 px) multiplies in that
