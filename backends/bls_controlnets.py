@@ -28,7 +28,7 @@ from backends.core.adapters.controlnet import ControlCall, Residuals
 
 
 MAX_SESSIONS = 4096  # sessions remembered as sent (a request has one per ControlNet)
-CALL_PARTS = ("call", "ready", "exec", "outputs")
+CALL_PARTS = ("ready", "exec", "outputs")
 
 
 def to_triton(name: str, tensor: torch.Tensor):
@@ -54,9 +54,9 @@ class BlsControlNets:
         self.store = store
         self.pool = ThreadPoolExecutor(workers, thread_name_prefix="easel-controlnet-bls")
         self._streams = threading.local()  # each worker copies results on streams of its own, one per device
-        # The calls' wall time, summed, and its parts (metrics): `ready` waiting for the step's
-        # inputs on the GPU, `exec` the BLS request (the service's compute, Triton's hand-offs and
-        # the residuals' transfer), `outputs` taking the residuals onto the denoiser's device.
+        # The calls' wall time in parts, summed (metrics): `ready` waiting for the step's inputs on
+        # the GPU, `exec` the BLS request (the service's compute, Triton's hand-offs and the
+        # residuals' transfer), `outputs` taking the residuals onto the denoiser's device.
         self.seconds = dict.fromkeys(CALL_PARTS, 0.0)
         self._lock = threading.Lock()
         self.instances = instances
@@ -86,7 +86,7 @@ class BlsControlNets:
                 end = time.perf_counter()
                 executed = executed or end  # (a request that failed spent the rest in it)
                 with self._lock:
-                    for part, seconds in (("call", end - start), ("ready", ready - start), ("exec", executed - ready),
+                    for part, seconds in (("ready", ready - start), ("exec", executed - ready),
                                           ("outputs", end - executed)):
                         self.seconds[part] += seconds
 

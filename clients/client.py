@@ -205,7 +205,7 @@ class EaselClient:
         from tritonclient.utils import InferenceServerException
 
         inputs = build_inputs(request, self.protocol)
-        outputs = [self._mod.InferRequestedOutput(n) for n in ("image", "info")]
+        outputs = self._outputs()
         # The deadline goes to the server too, as the request's timeout (microseconds): that is
         # what stops the denoiser at its next step once the deadline passes, also over HTTP, which
         # has no cancel (backends/bls_pipeline.py says more).
@@ -219,7 +219,7 @@ class EaselClient:
         try:
             result = client.infer(self.model, inputs, outputs=outputs, **kwargs)
         except InferenceServerException as e:
-            raise EaselError(e.message() or str(e), e.status()) from e
+            raise easel_error(e) from e
         except (ConnectionError, OSError) as e:
             raise EaselError(f"cannot reach Triton at {self.url} ({self.protocol}): {e}") from e
         finally:
@@ -240,7 +240,7 @@ class EaselClient:
         def done(result, error) -> None:
             try:
                 if error is not None:
-                    answer = EaselError(error.message() or str(error), error.status())
+                    answer = easel_error(error)
                 else:
                     answer = parse_result(result.as_numpy("image"), result.as_numpy("info"))
             except Exception as exc:  # a malformed answer must still reach on_done
@@ -248,9 +248,12 @@ class EaselClient:
             on_done(answer)
 
         call = self._client.async_infer(self.model, build_inputs(request, "grpc"), done,
-                                        outputs=[self._mod.InferRequestedOutput(n) for n in ("image", "info")],
+                                        outputs=self._outputs(),
                                         timeout=int(timeout_s * 1e6), client_timeout=timeout_s)
         return call.cancel
+
+    def _outputs(self) -> list:
+        return [self._mod.InferRequestedOutput(n) for n in ("image", "info")]
 
     def limits(self) -> dict[str, Any]:
         """The deployment's limits (backends/core/request/params.Limits' fields), as export wrote
@@ -258,9 +261,10 @@ class EaselClient:
         from tritonclient.utils import InferenceServerException
 
         try:
-            config = self._client.get_model_config(self.model, **({"as_json": True} if self.protocol == "grpc" else {}))
+            as_json = {"as_json": True} if self.protocol == "grpc" else {}  # (HTTP answers JSON anyway)
+            config = self._client.get_model_config(self.model, **as_json)
         except InferenceServerException as e:
-            raise EaselError(e.message() or str(e), e.status()) from e
+            raise easel_error(e) from e
         except (ConnectionError, OSError) as e:
             raise EaselError(f"cannot reach Triton at {self.url} ({self.protocol}): {e}") from e
         config = config.get("config", config)
@@ -321,10 +325,15 @@ class EaselClient:
                     return
                 yield progress_of(result)
         except InferenceServerException as e:
-            raise EaselError(e.message() or str(e), e.status()) from e
+            raise easel_error(e) from e
         finally:
             client.stop_stream(cancel_requests=not finished)
             client.close()
+
+
+def easel_error(error) -> EaselError:
+    """tritonclient's InferenceServerException as ours, keeping its status."""
+    return EaselError(error.message() or str(error), error.status())
 
 
 def grpc_channel_args() -> list[tuple[str, Any]]:

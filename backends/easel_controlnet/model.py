@@ -42,8 +42,9 @@ from backends.triton_adapter import (  # noqa: E402
 DEFAULT_SESSION_BYTES = 1 << 30
 
 
-def _tensor(request, name: str, device) -> torch.Tensor:
-    return torch.from_dlpack(pb_utils.get_input_tensor_by_name(request, name).to_dlpack()).to(device)
+def _tensor(request, name: str) -> torch.Tensor:
+    """An input where it arrived (either device), without a copy."""
+    return torch.from_dlpack(pb_utils.get_input_tensor_by_name(request, name).to_dlpack())
 
 
 class _CacheMetrics:
@@ -129,13 +130,18 @@ class TritonPythonModel:
     def _run(self, request):
         start = time.perf_counter()
         name = scalar(pb_utils.get_input_tensor_by_name(request, "name").as_numpy()).decode()
-        scale = float(_tensor(request, "scale", "cpu").reshape(-1)[0])  # may arrive on either device
+        scale = float(_tensor(request, "scale").reshape(-1)[0])
         self.cache.store.controlnet(name)  # a clear error for a name the store does not hold
         dtype = self.placement.torch_dtype
-        sample, timestep = (_tensor(request, n, self.device) for n in ("sample", "timestep"))
-        image, embeds, pooled, time_ids = self._constants(request)
-        call = ControlCall(name, scale, image, sample.to(dtype), timestep, embeds, pooled, time_ids)
-        check_call(call, self.limits)
+        sample, timestep = _tensor(request, "sample"), _tensor(request, "timestep")
+        constants, key = self._constants(request)
+        # Sizes first: nothing is copied to the GPU or kept for a call no request of this deployment makes.
+        check_call(ControlCall(name, scale, constants[0], sample, timestep, *constants[1:]), self.limits)
+        image, embeds, pooled, time_ids = constants = tuple(t.to(self.device, dtype) for t in constants)
+        if key is not None:
+            self.sessions.put(key, constants)
+        call = ControlCall(name, scale, image, sample.to(self.device, dtype), timestep.to(self.device), embeds, pooled,
+                           time_ids)
         model = self.cache.acquire(name)
         try:
             down, mid = self.graphs.run(model, call) if self.graphs else run_controlnet(model, call)
@@ -145,23 +151,20 @@ class TritonPythonModel:
         self.compute_seconds += time.perf_counter() - start
         return [*(to_triton(f"down_{i}", d) for i, d in enumerate(down)), to_triton("mid", mid)]
 
-    def _constants(self, request) -> tuple[torch.Tensor, ...]:
-        """The call's image, embeddings and time ids: given (and kept under its session, if any),
-        or those its session was given earlier."""
+    def _constants(self, request) -> tuple[tuple[torch.Tensor, ...], str | None]:
+        """The call's image, embeddings and time ids, and the session to keep them under once the
+        call passes its checks: given (where they arrived), or those its session was given earlier
+        (on our device; nothing to keep again)."""
         given = [_optional(request, n) for n in CONSTANTS]
         session = _optional(request, "session")
         key = scalar(session.as_numpy()).decode(errors="replace") if session is not None else None
         if key is not None and not 0 < len(key) <= MAX_KEY_CHARS:
             raise InvalidInput("session", f"has {len(key)} characters, outside 1 to {MAX_KEY_CHARS}")
         if all(t is not None for t in given):
-            dtype = self.placement.torch_dtype
-            tensors = tuple(torch.from_dlpack(t.to_dlpack()).to(self.device, dtype) for t in given)
-            if key is not None:
-                self.sessions.put(key, tensors)
-            return tensors
+            return tuple(torch.from_dlpack(t.to_dlpack()) for t in given), key
         if any(t is not None for t in given) or key is None:
             raise InvalidInput("image", f"give {', '.join(CONSTANTS)} together, or name a session that was given them")
         kept = self.sessions.get(key)
         if kept is None:  # the caller sends them again (backends/bls_controlnets.py)
             raise UnknownAdapter("session", f"this instance holds no session {key!r}")
-        return kept
+        return kept, None
