@@ -67,6 +67,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-diffusers-eager", action="store_true", help="keep those already in --out")
     p.add_argument("--skip-diffusers-compiled", action="store_true", help="keep those already in --out (or none)")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a server start may take")
+    p.add_argument("--cuda-pool-mib", type=int, default=None,
+                   help="Triton's CUDA memory pool per GPU (default: easel serve's)")
     p.add_argument("--shared-compile-cache", action="store_true",
                    help="every configuration's server compiles into one cache in --work and starts once: a later "
                         "configuration (or run) loads what an earlier one compiled. No cold-start figures then")
@@ -137,6 +139,7 @@ class Setup:
     ready_timeout: float
     smoke: bool
     shared_compile_cache: bool = False
+    cuda_pool_mib: int | None = None  # None: TritonServer's default
     vae_dtype: str | None = None
     fp8: tuple[str, ...] = ()
     fp8_fast_accum: bool = False
@@ -203,6 +206,7 @@ def resolve(args: argparse.Namespace) -> Setup:
                  lora_mib=0.25 if smoke else args.lora_mib, gpus=gpus, cfg_parallel=tuple(args.cfg_parallel),
                  controlnet_gpus=tuple(args.controlnet_gpus) if args.controlnet_gpus else None,
                  ready_timeout=args.ready_timeout, shared_compile_cache=args.shared_compile_cache,
+                 cuda_pool_mib=args.cuda_pool_mib,
                  vae_dtype=args.vae_dtype, fp8=tuple(args.fp8), fp8_fast_accum=args.fp8_fast_accum,
                  smoke=smoke, **pick)
 

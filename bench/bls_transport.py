@@ -201,7 +201,8 @@ def main() -> None:
         write_repository(repo, 11, "CPU" if args.cpu else "GPU", args.source_gpu)
         for pool in args.pools_mib:
             with TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=300,
-                              extra_args=() if args.cpu else (f"--cuda-memory-pool-byte-size=0:{pool * 2**20}",)) as server:
+                              extra_args=() if args.cpu else tuple(
+                                  f"--cuda-memory-pool-byte-size={g}:{pool * 2**20}" for g in {0, args.source_gpu})) as server:
                 client = grpc.InferenceServerClient(server.url_grpc)
                 variants = [dict(parts=parts, preferred=preferred, mode="exec", hold_s=0.0)
                             for parts in (11, 1) for preferred in ("default", "gpu")]

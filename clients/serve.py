@@ -26,8 +26,8 @@ from typing import TextIO
 
 from backends.load_board import PREFIX as LOAD_BOARD_PREFIX
 from clients import procs
-from clients.triton_install import (assemble_backend_dir, find_triton, link_own_libpython, project_root, required_backends,
-                                     server_env)
+from clients.triton_install import (assemble_backend_dir, find_triton, link_own_libpython, project_root, repository_gpus,
+                                     required_backends, server_env)
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +50,12 @@ DRAIN_FLAG_ENV = "EASEL_DRAIN_FLAG"
 # What marks a model clients call (and the drain switches): `easel` and `easel_stream` (their backend).
 PUBLIC_CONFIG = r'^\s*backend\s*:\s*"easel_pipeline"'
 DRAIN_FLAG_FILE = "draining"
+# Triton's CUDA memory pool on each GPU the repository names (tritonserver's default: 64 MiB).
+# A BLS call's GPU outputs (a ControlNet's residuals: ~100 MiB at 1024 px with guidance) are
+# allocated there; beyond it each output is a cudaMalloc, a CUDA IPC handle opened by both
+# stubs and a cudaFree that waits for everything queued on the GPU, the UNet's half included
+# (bench/bls_transport.py).
+DEFAULT_CUDA_POOL_MIB = 2048
 
 
 class ServerStartError(RuntimeError):
@@ -132,6 +138,7 @@ class TritonServer:
     admin_key: str | None = field(default=None, repr=False)
     restricted_apis: tuple[str, ...] = RESTRICTED_APIS
     exit_timeout: int = 30  # tritonserver --exit-timeout-secs: its own wait for in-flight work
+    cuda_pool_mib: int = DEFAULT_CUDA_POOL_MIB  # per GPU of the repository; 0: tritonserver's default
     die_with_parent: bool | None = None  # None: unless detached (procs.child_preexec)
     proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
     region_prefix: str | None = field(default=None, init=False, repr=False)
@@ -191,8 +198,15 @@ class TritonServer:
                f"--grpc-restricted-protocol={restricted}"] if self.restricted_apis else []),
             f"--backend-config=python,shm-region-prefix-name={self.region_prefix}",
             f"--exit-timeout-secs={self.exit_timeout}",
+            *self.cuda_pool_args(),
             *self.extra_args,
         ]
+
+    def cuda_pool_args(self) -> list[str]:
+        if not self.cuda_pool_mib or any(a.startswith("--cuda-memory-pool-byte-size") for a in self.extra_args):
+            return []
+        return [f"--cuda-memory-pool-byte-size={gpu}:{self.cuda_pool_mib * 2**20}"
+                for gpu in repository_gpus(Path(self.repo))]
 
     def start(self) -> "TritonServer":
         if self.proc is not None and self.proc.poll() is None:
@@ -488,7 +502,8 @@ def serve(repo: Path | str, http_port: int = 8000, grpc_port: int = 8001,
           timeout: float = 300.0, pid_file: Path | str | None = None,
           out: TextIO | None = None, drain_timeout: float = 30.0,
           admin_key: str | None = None, openai_port: int | None = None,
-          max_restarts: int | None = None, grpc_front: bool = True) -> int:
+          max_restarts: int | None = None, grpc_front: bool = True,
+          cuda_pool_mib: int = DEFAULT_CUDA_POOL_MIB) -> int:
     """Run tritonserver on `repo`; returns a process exit code.
 
     foreground: supervise it (clients/supervise.py: restarts on a crash, with a growing backoff,
@@ -503,7 +518,8 @@ def serve(repo: Path | str, http_port: int = 8000, grpc_port: int = 8001,
         raise ValueError("--openai-port needs the foreground (the API is supervised with the server)")
     options = ServeOptions(Path(repo), http_port, grpc_port, metrics_port, log_verbose,
                            ready_timeout=timeout, drain_timeout=drain_timeout, admin_key=admin_key,
-                           openai_port=openai_port, max_restarts=max_restarts, grpc_front=grpc_front)
+                           openai_port=openai_port, max_restarts=max_restarts, grpc_front=grpc_front,
+                           cuda_pool_mib=cuda_pool_mib)
     if foreground:
         return Supervisor(options).run()
     out = out or sys.stdout
@@ -513,7 +529,7 @@ def serve(repo: Path | str, http_port: int = 8000, grpc_port: int = 8001,
               "not starting", file=sys.stderr)
         return 1
     server = TritonServer(repo, http_port, grpc_port, metrics_port, log_verbose,
-                          ready_timeout=timeout, detach=True, admin_key=admin_key)
+                          ready_timeout=timeout, detach=True, admin_key=admin_key, cuda_pool_mib=cuda_pool_mib)
     server.start()
     try:
         server.wait_ready()

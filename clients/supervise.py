@@ -42,7 +42,7 @@ from typing import TextIO
 
 from clients import procs
 from clients.grpc_front import GrpcFront
-from clients.serve import ServerStartError, TritonServer, free_port
+from clients.serve import DEFAULT_CUDA_POOL_MIB, ServerStartError, TritonServer, free_port
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +98,7 @@ class ServeOptions:
     max_restarts: int | None = None  # within RESTART_WINDOW_S, then stop; None: keep restarting
     # The public gRPC port served by clients/grpc_front.py, tritonserver's on loopback behind it.
     grpc_front: bool = True
+    cuda_pool_mib: int = DEFAULT_CUDA_POOL_MIB  # TritonServer.cuda_pool_mib
 
     @property
     def ports(self) -> tuple[int, int, int]:
@@ -194,7 +195,7 @@ class Supervisor:
         grpc = (self._triton_grpc_port, ("--grpc-address=127.0.0.1",)) if self.front else (o.grpc_port, ())
         return TritonServer(o.repo, o.http_port, grpc[0], o.metrics_port, o.log_verbose,
                             ready_timeout=o.ready_timeout, echo=True, admin_key=o.admin_key,
-                            exit_timeout=o.exit_timeout, extra_args=grpc[1])
+                            exit_timeout=o.exit_timeout, extra_args=grpc[1], cuda_pool_mib=o.cuda_pool_mib)
 
     def _on_signal(self, signum: int, _frame) -> None:
         server = self.server

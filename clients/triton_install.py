@@ -100,6 +100,19 @@ def required_backends(repo: Path) -> set[str]:
     return names
 
 
+def repository_gpus(repo: Path) -> list[int]:
+    """The GPU ids that the repository's instance groups name, in order."""
+    from google.protobuf import text_format
+    from tritonclient.grpc import model_config_pb2
+
+    gpus: set[int] = set()
+    for cfg in Path(repo).glob("*/config.pbtxt"):
+        config = text_format.Parse(cfg.read_text(), model_config_pb2.ModelConfig())
+        for group in config.instance_group:
+            gpus.update(group.gpus)
+    return sorted(gpus)
+
+
 def _link_or_copy(src: str, dst: str) -> str:
     # Hard links cost nothing and, unlike symlinks, do not resolve outside the
     # backend directory (Triton refuses libraries that escape it).

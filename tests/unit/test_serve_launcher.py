@@ -280,3 +280,27 @@ def test_cli_foreground_forwards_sigint(plain_repo):
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _gpu_model(repo: Path, name: str, gpus: str) -> None:
+    (repo / name / "1").mkdir(parents=True)
+    (repo / name / "config.pbtxt").write_text(ADD_CONFIG.format(name=name, backend="python").replace(
+        "{ kind: KIND_CPU count: 1 }", f"{{ kind: KIND_GPU count: 2 gpus: [ {gpus} ] }}"))
+
+
+def test_cuda_pool_on_every_gpu_the_repository_names(tmp_path):
+    _gpu_model(tmp_path, "denoiser_gpu0", "0")
+    _gpu_model(tmp_path, "controlnet", "1, 3")
+    _model(tmp_path, "on_cpu", "python", None)
+    pool = f"{serve_mod.DEFAULT_CUDA_POOL_MIB * 2**20}"
+    server = TritonServer(tmp_path)
+    assert server.cuda_pool_args() == [f"--cuda-memory-pool-byte-size={g}:{pool}" for g in (0, 1, 3)]
+    assert TritonServer(tmp_path, cuda_pool_mib=0).cuda_pool_args() == []
+    # a pool the caller gives wins
+    given = TritonServer(tmp_path, extra_args=("--cuda-memory-pool-byte-size=0:1024",))
+    assert given.cuda_pool_args() == []
+
+
+def test_cuda_pool_none_for_a_cpu_repository(tmp_path):
+    _model(tmp_path, "on_cpu", "python", None)
+    assert TritonServer(tmp_path).cuda_pool_args() == []
