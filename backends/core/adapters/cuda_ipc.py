@@ -45,6 +45,10 @@ class CudaError(RuntimeError):
     pass
 
 
+class _Handle(ctypes.Structure):
+    _fields_ = [("reserved", ctypes.c_char * HANDLE_BYTES)]  # (CUipcMemHandle: passed by value)
+
+
 _driver = None
 _driver_lock = threading.Lock()
 
@@ -56,8 +60,7 @@ def _cuda():
             lib = ctypes.CDLL("libcuda.so.1")
             for name, args in (("cuMemAlloc_v2", (ctypes.POINTER(ctypes.c_uint64), ctypes.c_size_t)),
                                ("cuIpcGetMemHandle", (ctypes.c_char_p, ctypes.c_uint64)),
-                               ("cuIpcOpenMemHandle_v2", (ctypes.POINTER(ctypes.c_uint64), ctypes.c_char * HANDLE_BYTES,
-                                                          ctypes.c_uint)),
+                               ("cuIpcOpenMemHandle_v2", (ctypes.POINTER(ctypes.c_uint64), _Handle, ctypes.c_uint)),
                                ("cuMemGetAddressRange_v2", (ctypes.POINTER(ctypes.c_uint64),
                                                             ctypes.POINTER(ctypes.c_size_t), ctypes.c_uint64)),
                                ("cuGetErrorName", (ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)))):
@@ -120,7 +123,7 @@ def open_handle(device: torch.device, handle: bytes) -> _Memory:
     with torch.cuda.device(device):
         torch.empty(0, device=device)
         pointer, base, size = ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_size_t()
-        raw = (ctypes.c_char * HANDLE_BYTES).from_buffer_copy(handle)
+        raw = _Handle.from_buffer_copy(handle)
         try:
             _check(_cuda().cuIpcOpenMemHandle_v2(ctypes.byref(pointer), raw, _LAZY_PEER_ACCESS), "opening a mailbox")
         except CudaError as exc:
