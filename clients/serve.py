@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TextIO
 
 from backends.load_board import PREFIX as LOAD_BOARD_PREFIX
-from clients import procs
+from clients import procs, server_preload
 from clients.triton_install import (assemble_backend_dir, find_triton, link_own_libpython, project_root, repository_gpus,
                                      required_backends, server_env)
 
@@ -177,9 +177,10 @@ class TritonServer:
         assert self.admin_key is not None, "server not started"
         return {ADMIN_HEADER: self.admin_key}
 
-    def argv(self, binary: Path, backend_dir: Path) -> list[str]:
+    def argv(self, binary: Path, backend_dir: Path, key: str | None = None) -> list[str]:
+        """`key`: what stands for the admin key on the command line (default: the key itself)."""
         assert self.admin_key is not None and self.region_prefix is not None
-        restricted = f"{','.join(self.restricted_apis)}:{ADMIN_HEADER}={self.admin_key}"
+        restricted = f"{','.join(self.restricted_apis)}:{ADMIN_HEADER}={key or self.admin_key}"
         return [
             str(binary),
             f"--model-repository={Path(self.repo).resolve()}",
@@ -222,6 +223,7 @@ class TritonServer:
             # It goes inside tritonserver's "<apis>:<header>=<key>" option.
             raise ValueError("the admin key must be 16 or more of A-Z a-z 0-9 . _ ~ -")
         self.region_prefix = procs.region_prefix()
+        self._guard = None
         for attr in ("http_port", "grpc_port", "metrics_port"):
             if getattr(self, attr) == 0:
                 setattr(self, attr, free_port())
@@ -235,7 +237,10 @@ class TritonServer:
         self.drain_flag.unlink(missing_ok=True)  # a run dir given again must not start draining
         env = server_env(triton, project, libpython_dir=link_own_libpython(self.run_dir / "libpython"))
         env[DRAIN_FLAG_ENV] = str(self.drain_flag)
-        argv = self.argv(triton.binary, backend_dir)
+        preload = server_preload.build(self.run_dir)
+        if preload is not None:
+            server_preload.apply(env, preload, self.admin_key)
+        argv = self.argv(triton.binary, backend_dir, server_preload.KEY_PLACEHOLDER if preload else None)
         shown = [re.sub(rf"{ADMIN_HEADER}=\S+", f"{ADMIN_HEADER}=***", a) for a in argv]
         log.info("starting %s (log: %s)", " ".join(shown), self.log_path)
         die_with_parent = (not self.detach) if self.die_with_parent is None else self.die_with_parent
@@ -248,8 +253,9 @@ class TritonServer:
                 start_new_session=True,
                 preexec_fn=procs.child_preexec(die_with_parent),
             )
-        self._guard = procs.RegionGuard(self.region_prefix)
-        self._guard.start()
+        if preload is None:  # (preloaded, the regions are private from the start)
+            self._guard = procs.RegionGuard(self.region_prefix)
+            self._guard.start()
         if not self.detach:
             atexit.register(self.stop)
         if self.echo:

@@ -101,15 +101,12 @@ def required_backends(repo: Path) -> set[str]:
 
 
 def repository_gpus(repo: Path) -> list[int]:
-    """The GPU ids that the repository's instance groups name, in order."""
-    from google.protobuf import text_format
-    from tritonclient.grpc import model_config_pb2
-
+    """The GPU ids that the repository's instance groups name (read as required_backends reads
+    backends: a config Triton will refuse is Triton's to report)."""
     gpus: set[int] = set()
     for cfg in Path(repo).glob("*/config.pbtxt"):
-        config = text_format.Parse(cfg.read_text(), model_config_pb2.ModelConfig())
-        for group in config.instance_group:
-            gpus.update(group.gpus)
+        for ids in re.findall(r"\bgpus\s*:\s*\[([^\]]*)\]", cfg.read_text(errors="replace")):
+            gpus.update(int(g) for g in re.findall(r"\d+", ids))
     return sorted(gpus)
 
 

@@ -109,3 +109,26 @@ def test_server_shared_memory_is_private(server, http_client):
     assert any(f.name.startswith(server.region_prefix) for f in files), files
     modes = {f.name: stat.S_IMODE(f.stat().st_mode) for f in files}
     assert all(mode == 0o600 for mode in modes.values()), modes
+
+
+def test_regions_are_private_without_a_guard(server):
+    """The preloaded library (clients/server_preload.c) makes them so from their creation: no
+    guard chmods them afterwards (test_server_shared_memory_is_private checks the modes)."""
+    assert server._guard is None
+
+
+def test_the_admin_key_is_on_no_command_line_nor_in_a_stub(server):
+    from clients.server_preload import KEY_ENV, KEY_PLACEHOLDER
+
+    key = server.admin_key.encode()
+    cmdline = Path(f"/proc/{server.pid}/cmdline").read_bytes()
+    assert KEY_PLACEHOLDER.encode() in cmdline and key not in cmdline
+    assert key not in Path(f"/proc/{server.pid}/environ").read_bytes()  # (erased in place)
+    stubs = procs.descendants(server.pid)
+    assert stubs
+    for pid in stubs:
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes()
+        except OSError:  # (gone meanwhile)
+            continue
+        assert key not in environ and KEY_ENV.encode() not in environ, pid
