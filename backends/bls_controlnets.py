@@ -23,7 +23,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 from backends.core.adapters.store import AdapterStore
 from backends.core.request.contract import ModelDecl
 from backends.core.request.params import InvalidInput, UnknownAdapter
-from backends.triton_adapter import ForwardedError
+from backends.triton_adapter import ForwardedError, internal_parameters
 from backends.core.adapters.controlnet import ControlCall, Residuals
 
 
@@ -137,7 +137,7 @@ class BlsControlNets:
         # Residuals straight into our GPU's memory (Triton's default would follow the producer's).
         where = {"preferred_memory": pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, device.index)} \
             if device.type == "cuda" else {}
-        response = pb_utils.InferenceRequest(model_name=self.model_name, inputs=inputs,
+        response = pb_utils.InferenceRequest(model_name=self.model_name, inputs=inputs, parameters=internal_parameters(),
                                              requested_output_names=self.outputs, **where).exec()
         if response.has_error():  # the service's InvalidInput/UnknownAdapter keep their kind (and status)
             error = ForwardedError(response.error())

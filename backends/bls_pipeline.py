@@ -54,8 +54,8 @@ from backends.core.stages.preview import preview_png
 from backends.denoiser_routing import LeastLoaded
 from backends.load_board import LoadReader
 from backends.preview_board import PreviewFile, remove_orphan_previews
-from backends.triton_adapter import (MARKS_PARAMETER, ForwardedError, failure, input_array, is_cancelled, limits,
-                                     parameters, remaining_us, scalar)
+from backends.triton_adapter import (MARKS_PARAMETER, ForwardedError, failure, input_array, internal_parameters,
+                                     is_cancelled, limits, parameters, remaining_us, scalar)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("backends.bls_pipeline")
@@ -176,7 +176,8 @@ class BlsPipeline:
         if job.cancelled:
             raise Cancelled(f"{self.name}: cancelled by the client before {model}")
         # (marked errors: their status survives BLS, see triton_adapter.MARKS_PARAMETER)
-        response = pb_utils.InferenceRequest(model_name=model, inputs=inputs, parameters={MARKS_PARAMETER: True},
+        response = pb_utils.InferenceRequest(model_name=model, inputs=inputs,
+                                             parameters={MARKS_PARAMETER: True, **internal_parameters()},
                                              requested_output_names=[t.name for t in decl.outputs]).exec()
         if response.has_error():
             raise ForwardedError(response.error())
@@ -204,6 +205,7 @@ class BlsPipeline:
         try:
             request = pb_utils.InferenceRequest(
                 model_name=denoiser, inputs=inputs, requested_output_names=[t.name for t in contract.DENOISER.outputs],
+                parameters=internal_parameters(),
                 timeout=remaining_us(job.timeout_us, checked, self.name))
             # exec returns at the denoiser's first response: for a keyed request, an empty one once
             # it is admitted, so a cancel sent from now on finds it (contract.DENOISER).
@@ -267,7 +269,8 @@ class BlsPipeline:
     @staticmethod
     def _cancel(denoiser: str, key: str) -> None:
         request = pb_utils.InferenceRequest(model_name=denoiser, requested_output_names=[],
-                                            inputs=[_tensor("cancel", key.encode(), np.object_)])
+                                            inputs=[_tensor("cancel", key.encode(), np.object_)],
+                                            parameters=internal_parameters())
         for response in request.exec(decoupled=True):
             if response.has_error():
                 log.warning("%s refused a cancel: %s", denoiser, response.error().message())

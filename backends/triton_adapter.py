@@ -8,8 +8,10 @@ from __future__ import annotations
 import ctypes
 import functools
 import gc
+import hmac
 import json
 import logging
+import os
 import threading
 import time
 from pathlib import Path
@@ -20,7 +22,7 @@ import triton_python_backend_utils as pb_utils
 
 from backends.core.runtime.placement import Placement
 from backends.stub_checks import numpy_refusal
-from backends.core.request.contract import ModelDecl
+from backends.core.request.contract import INTERNAL_KEY_ENV, INTERNAL_KEY_PARAMETER, ModelDecl
 from backends.core.request.adapter_inputs import checked_params
 from backends.core.request.params import (Cancelled, GenerateParams, InvalidInput, Limits, Overloaded, UnknownAdapter,
                                           no_paths)
@@ -228,6 +230,33 @@ def wants_marks(request) -> bool:
         return False
 
 
+# The internal models (preprocess, text encoder, denoisers, ControlNet service, VAE decoder) serve
+# the public models' BLS calls, but Triton cannot hide them from clients: a client could cancel
+# other clients' requests or run work the pipeline never asks for. Every BLS call of ours carries
+# the server's per-start secret as a request parameter; an internal model refuses a request
+# without it. The secret is in the server's environment (set by clients/serve.py, inherited by
+# the stubs, readable only by the server's user); without one, as when tritonserver is started
+# by hand without it, internal models take every call.
+def internal_parameters() -> dict[str, str]:
+    """The parameters that open an internal model to a BLS call of ours."""
+    key = os.environ.get(INTERNAL_KEY_ENV)
+    return {INTERNAL_KEY_PARAMETER: key} if key else {}
+
+
+def check_caller(request, model: str) -> None:
+    """NOT_FOUND for a request that does not carry the server's secret (INTERNAL_KEY_ENV)."""
+    key = os.environ.get(INTERNAL_KEY_ENV)
+    if not key:
+        return
+    try:
+        given = json.loads(request.parameters() or "{}").get(INTERNAL_KEY_PARAMETER)
+    except (ValueError, AttributeError):
+        given = None
+    if not isinstance(given, str) or not hmac.compare_digest(given.encode(), key.encode()):
+        raise UnknownAdapter("model", f"{model} is a part of Easel's pipeline, not a model to call: "
+                                      "call easel or easel_stream")
+
+
 class ForwardedError(RuntimeError):
     """An error another model (called by BLS) answered with, passed on with its status code."""
 
@@ -322,11 +351,13 @@ def failure(exc: BaseException, what: str, log: logging.Logger, marked: bool = F
 def each_request(requests, handle, what: str, marked: bool = False) -> list:
     """One response per request: `handle(request)` returns its output tensors; whatever it raises
     fails that request alone, with the status of status_of (InvalidInput as is, since it already
-    names the field, and as the client's mistake). `marked`: for models called by BLS (see MARKS)."""
+    names the field, and as the client's mistake). `marked`: for models called by BLS (see MARKS).
+    For the internal models: a request that is not a BLS call of ours is refused (check_caller)."""
     log = logging.getLogger(f"backends.{what}")
     responses = []
     for request in requests:
         try:
+            check_caller(request, what)
             responses.append(pb_utils.InferenceResponse(handle(request)))
         except Exception as exc:
             responses.append(failure(exc, what, log, marked or wants_marks(request)))

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
+from backends.core.request.contract import INTERNAL_KEY_ENV, INTERNAL_KEY_PARAMETER
 from backends.load_board import PREFIX as LOAD_BOARD_PREFIX
 from clients import procs, server_preload
 from clients.triton_install import (assemble_backend_dir, find_triton, link_own_libpython, project_root, repository_gpus,
@@ -142,6 +143,8 @@ class TritonServer:
     die_with_parent: bool | None = None  # None: unless detached (procs.child_preexec)
     proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
     region_prefix: str | None = field(default=None, init=False, repr=False)
+    # What opens the internal models to a call (backends/triton_adapter.check_caller), new at each start.
+    internal_key: str | None = field(default=None, init=False, repr=False)
     _stubs: dict[int, str] = field(default_factory=dict, init=False, repr=False)
     _guard: procs.RegionGuard | None = field(default=None, init=False, repr=False)
     _own_run_dir: bool = field(default=False, init=False, repr=False)
@@ -171,6 +174,12 @@ class TritonServer:
     def drain_flag(self) -> Path:
         assert self.run_dir is not None, "server not started"
         return self.run_dir / DRAIN_FLAG_FILE
+
+    @property
+    def internal_parameters(self) -> dict[str, str]:
+        """Request parameters that let a call reach an internal model directly (tests, tools)."""
+        assert self.internal_key is not None, "server not started"
+        return {INTERNAL_KEY_PARAMETER: self.internal_key}
 
     @property
     def admin_headers(self) -> dict[str, str]:
@@ -237,6 +246,7 @@ class TritonServer:
         self.drain_flag.unlink(missing_ok=True)  # a run dir given again must not start draining
         env = server_env(triton, project, libpython_dir=link_own_libpython(self.run_dir / "libpython"))
         env[DRAIN_FLAG_ENV] = str(self.drain_flag)
+        self.internal_key = env[INTERNAL_KEY_ENV] = secrets.token_urlsafe(32)
         preload = server_preload.build(self.run_dir)
         if preload is not None:
             server_preload.apply(env, preload, self.admin_key)

@@ -39,11 +39,11 @@ from backends.core.engine.denoiser import DenoiseJob, StepProgress  # noqa: E402
 from backends.core.engine.loop import DenoiseResult, failure_kind  # noqa: E402
 from backends.core.request.adapter_inputs import decode_control_image  # noqa: E402
 from backends.core.request.contract import DENOISE_JOB, WIRE_DTYPES, controlnet_decl  # noqa: E402
-from backends.core.request.params import InvalidInput  # noqa: E402
+from backends.core.request.params import InvalidInput, UnknownAdapter  # noqa: E402
 from backends.core.runtime.unet_split import num_skips  # noqa: E402
 from backends.triton_adapter import (  # noqa: E402
-    adapter_store_folder, artifact_folder, code_of, drop_metrics, error, failure, holds_execute_lock, input_array,
-    is_cancelled, mark, parameters, params_tensor, placement, public_message, read_params, scalar, setup_stub)
+    adapter_store_folder, artifact_folder, check_caller, code_of, drop_metrics, error, failure, holds_execute_lock,
+    input_array, is_cancelled, mark, parameters, params_tensor, placement, public_message, read_params, scalar, setup_stub)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
 log = logging.getLogger("backends.easel_denoiser")
@@ -107,6 +107,11 @@ class TritonPythonModel:
     def execute(self, requests):
         for request in requests:
             sender = request.get_response_sender()
+            try:
+                check_caller(request, self.name)  # (cancels too: a client must not cancel others' requests)
+            except UnknownAdapter as exc:
+                sender.send(failure(exc, "denoiser", log, marked=True), flags=FINAL)
+                continue
             if pb_utils.get_input_tensor_by_name(request, "cancel") is not None:
                 self._cancel(request, sender)  # never refused: it frees a place
                 continue

@@ -49,15 +49,17 @@ def _inputs(model: str, params: dict) -> list:
     }[model]
 
 
-def stream_denoiser(url: str, inputs: list) -> list:
+def stream_denoiser(server, inputs: list, parameters: dict | None = None) -> list:
     """Every answer of one direct denoiser request (decoupled: by a gRPC stream), as (result,
-    error) pairs up to the final one or the first error."""
-    client = grpcclient.InferenceServerClient(url)
+    error) pairs up to the final one or the first error. `parameters`: default, the server's
+    internal key (what the pipeline's calls carry)."""
+    client = grpcclient.InferenceServerClient(server.url_grpc)
     answers: queue.Queue = queue.Queue()
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
     got = []
     try:
-        client.async_stream_infer("denoiser", inputs, enable_empty_final_response=True)
+        client.async_stream_infer("denoiser", inputs, enable_empty_final_response=True,
+                                  parameters=server.internal_parameters if parameters is None else parameters)
         while True:
             result, error = answers.get(timeout=60)
             got.append((result, error))
@@ -67,13 +69,14 @@ def stream_denoiser(url: str, inputs: list) -> list:
         client.stop_stream()
 
 
-def call(url: str, model: str, params: dict) -> InferenceServerException:
-    """The error a direct call of `model` gets."""
+def call(server, model: str, params: dict) -> InferenceServerException:
+    """The error a direct call of `model` (with the internal key) gets."""
     if model != "denoiser":
         with pytest.raises(InferenceServerException) as err:
-            grpcclient.InferenceServerClient(url).infer(model, _inputs(model, params))
+            grpcclient.InferenceServerClient(server.url_grpc).infer(model, _inputs(model, params),
+                                                                   parameters=server.internal_parameters)
         return err.value
-    error = stream_denoiser(url, _inputs(model, params))[-1][1]
+    error = stream_denoiser(server, _inputs(model, params))[-1][1]
     assert error is not None, "the denoiser accepted out-of-limit params"
     return error
 
@@ -81,7 +84,7 @@ def call(url: str, model: str, params: dict) -> InferenceServerException:
 @pytest.mark.parametrize("model", ["denoiser", "text_encoder", "vae_decoder"])
 @pytest.mark.parametrize("overrides, expected", BAD, ids=[str(i) for i in range(len(BAD))])
 def test_internal_models_refuse_params_out_of_limits(server, model, overrides, expected):
-    err = call(server.url_grpc, model, {**GOOD, **overrides})
+    err = call(server, model, {**GOOD, **overrides})
     assert expected in err.message(), err.message()
     assert_invalid(model, err)
 
@@ -97,7 +100,7 @@ def test_denoiser_refuses_embeddings_of_another_shape(server):
     """They would fail the whole batch's step, other requests' too, so they never join one."""
     inputs = _inputs("denoiser", GOOD)
     inputs[1] = _tensor("prompt_embeds", np.zeros((2, 77, 65), np.float32), "FP32")
-    error = stream_denoiser(server.url_grpc, inputs)[-1][1]
+    error = stream_denoiser(server, inputs)[-1][1]
     assert error is not None and "prompt_embeds: has shape (2, 77, 65), expected (2, 77, 64)" in error.message()
     assert_invalid("denoiser", error)
 
@@ -109,7 +112,8 @@ def test_tensors_must_match_the_checked_params(server, model, name, array, expec
     """The size was checked in the params; a tensor of another size would bypass it."""
     inputs = [t if t.name() != name else _tensor(name, array, "FP32") for t in _inputs(model, GOOD)]
     with pytest.raises(InferenceServerException) as err:
-        grpcclient.InferenceServerClient(server.url_grpc).infer(model, inputs)
+        grpcclient.InferenceServerClient(server.url_grpc).infer(model, inputs,
+            parameters=server.internal_parameters)
     assert expected in err.value.message()
     assert err.value.status() == "StatusCode.INVALID_ARGUMENT"
 
@@ -134,7 +138,8 @@ def test_controlnet_service_checks_its_session_inputs(server, session, constants
     if session is not None:
         inputs.append(_tensor("session", np.array([session.encode()], dtype=np.object_), "BYTES"))
     with pytest.raises(InferenceServerException) as err:
-        grpcclient.InferenceServerClient(server.url_grpc).infer("controlnet", inputs)
+        grpcclient.InferenceServerClient(server.url_grpc).infer("controlnet", inputs,
+            parameters=server.internal_parameters)
     assert err.value.status() == f"StatusCode.{status}" and expected in err.value.message(), err.value.message()
 
 
@@ -159,9 +164,11 @@ def test_controlnet_service_checks_its_own_sizes(server, call, expected):
     """Called directly with what no request of this deployment makes, the ControlNet service
     refuses before computing (it ran 3072 px latents of 64 rows before it checked)."""
     with pytest.raises(InferenceServerException) as err:
-        grpcclient.InferenceServerClient(server.url_grpc).infer("controlnet", _controlnet_call(**call))
+        grpcclient.InferenceServerClient(server.url_grpc).infer("controlnet", _controlnet_call(**call),
+            parameters=server.internal_parameters)
     assert err.value.status() == "StatusCode.INVALID_ARGUMENT" and expected in err.value.message(), err.value.message()
-    ok = grpcclient.InferenceServerClient(server.url_grpc).infer("controlnet", _controlnet_call(rows=2))
+    ok = grpcclient.InferenceServerClient(server.url_grpc).infer("controlnet", _controlnet_call(rows=2),
+        parameters=server.internal_parameters)
     assert ok.as_numpy("mid").shape[0] == 2
 
 
@@ -170,7 +177,7 @@ def test_a_cancel_key_never_names_a_file(server):
     a key that could name a path is refused, naming the field and what a key may hold."""
     extra = [_tensor("cancel_key", np.array([b"../../etc/x"], dtype=np.object_), "BYTES"),
              _tensor("preview_every", np.array([1], np.int32), "INT32")]
-    (_, error), = stream_denoiser(server.url_grpc, _inputs("denoiser", GOOD) + extra)
+    (_, error), = stream_denoiser(server, _inputs("denoiser", GOOD) + extra)
     assert "cancel_key: must be 1 to 64 letters, digits, '_' or '-'" in error.message(), error.message()
     assert_invalid("denoiser", error)
 
@@ -181,9 +188,33 @@ def test_direct_previews_leave_no_file_and_steps_carry_no_tensor(server):
     key = "direct-preview-test"
     extra = [_tensor("cancel_key", np.array([key.encode()], dtype=np.object_), "BYTES"),
              _tensor("preview_every", np.array([1], np.int32), "INT32")]
-    answers = stream_denoiser(server.url_grpc, _inputs("denoiser", GOOD) + extra)
+    answers = stream_denoiser(server, _inputs("denoiser", GOOD) + extra)
     assert all(error is None for _, error in answers), answers
     outputs = [[o.name for o in result.get_response().outputs] for result, _ in answers]
     assert outputs[:-1] == [[]] * (1 + GOOD["steps"]), outputs
     assert sorted(outputs[-1]) == ["latents", "params"]
     assert not any(key in name for name in os.listdir("/dev/shm"))
+
+
+@pytest.mark.parametrize("key", [None, "a-guess-of-the-key"])
+@pytest.mark.parametrize("model", ["preprocess", "text_encoder", "vae_decoder", "controlnet"])
+def test_internal_models_refuse_calls_without_the_servers_key(server, model, key):
+    """A client cannot call a part of the pipeline: without the server's per-start key (or with a
+    wrong one) the call is NOT_FOUND, naming the models to call, before any input is read."""
+    inputs = _controlnet_call() if model == "controlnet" else _inputs(model, GOOD) if model != "preprocess" \
+        else [_tensor("prompt", np.array([b"a cat"], dtype=np.object_), "BYTES")]
+    with pytest.raises(InferenceServerException) as err:
+        grpcclient.InferenceServerClient(server.url_grpc).infer(
+            model, inputs, parameters={} if key is None else {"easel_internal_key": key})
+    assert err.value.status() == "StatusCode.NOT_FOUND", err.value.message()
+    assert f"{model} is a part of Easel's pipeline, not a model to call: call easel or easel_stream" \
+        in err.value.message()
+
+
+def test_the_denoiser_refuses_requests_and_cancels_without_the_key(server):
+    """Not even a cancel: with a request's cancel key a client could stop others' requests."""
+    (_, error), = stream_denoiser(server, _inputs("denoiser", GOOD), parameters={})
+    assert error is not None and "denoiser is a part of Easel's pipeline" in error.message(), error
+    cancel = [_tensor("cancel", np.array([b"someone-elses-key"], dtype=np.object_), "BYTES")]
+    (_, error), = stream_denoiser(server, cancel, parameters={"easel_internal_key": "wrong"})
+    assert error is not None and "denoiser is a part of Easel's pipeline" in error.message(), error

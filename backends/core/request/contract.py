@@ -112,6 +112,14 @@ STREAM = ModelDecl(
 WIRE_DTYPES = {"fp32": "FP32", "fp16": "FP16", "bf16": "BF16"}
 
 
+
+# Internal models (everything but the public `easel` and `easel_stream`) take calls that carry the
+# server's per-start secret as this request parameter; the server's environment holds it
+# (backends/triton_adapter.check_caller).
+INTERNAL_KEY_ENV = "EASEL_INTERNAL_KEY"
+INTERNAL_KEY_PARAMETER = "easel_internal_key"
+
+
 def controlnet_decl(num_skips: int, dtype: str = "FP32") -> ModelDecl:
     """The ControlNet service: one ControlNet (by name) on one request's rows at one step.
 
