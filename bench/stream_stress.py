@@ -7,7 +7,11 @@ Each client thread runs one kind of request in a loop, as fast as the server ans
 - `stream`: a normal 4-step stream with previews;
 - `cancel`: a 30-step stream cancelled after its first progress response;
 - `unary`, `unary-refused`: the same through the unary `easel` (a 4-step request, and one whose
-  width preprocess refuses).
+  width preprocess refuses);
+- `refused-header`: `refused-late` on a stream of its own opened with the header
+  `triton_grpc_error: true`, which makes Triton 2.51 end a stream at its first error and, under
+  this load, crash (`--front` puts `easel serve`'s gRPC front, which drops the header, between the
+  clients and the server).
 A run fails when a request gets anything but its kind's outcome (the server's "stub process is
 not healthy", a dropped connection), when tritonserver exits, or when no thread finished a
 request for `--stall` seconds. On the 2-core CPU machine (bench/results/2026-11-24-cpu/notes.md)
@@ -23,6 +27,8 @@ overlapping an execute (backends/triton_adapter.EXECUTE_LOCK), all four kinds ra
 7 of 7 runs, against 3 of 9 before (bench/results/2026-11-24c-cpu/notes.md).
 
     python3 -m bench.stream_stress --work /tmp/easel-stress --out stress.json --mix refused,cancel --seconds 240
+    python3 -m bench.stream_stress --work /tmp/easel-stress --out header.json --front \
+        --mix refused-header,refused-header,stream --seconds 150
 """
 
 from __future__ import annotations
@@ -38,15 +44,41 @@ from pathlib import Path
 
 log = logging.getLogger("bench.stream_stress")
 
-KINDS = ("refused", "refused-late", "stream", "cancel", "unary", "unary-refused")
+KINDS = ("refused", "refused-late", "stream", "cancel", "unary", "unary-refused", "refused-header")
+HEADER = {"triton_grpc_error": "true"}
 SMALL = dict(seed=3, steps=4, width=64, height=64)
 
 
-def one(client, kind: str, preview_every: int = 2) -> str:
+def refused_with_header(url: str) -> str:
+    """A request preprocess refuses, alone on a stream opened with HEADER."""
+    import queue
+
+    import tritonclient.grpc as grpcclient
+
+    from clients.client import GenerateRequest, build_inputs
+
+    client = grpcclient.InferenceServerClient(url)
+    answers: queue.Queue = queue.Queue()
+    try:
+        client.start_stream(callback=lambda result, error: answers.put((result, error)), headers=HEADER)
+        client.async_stream_infer("easel_stream", build_inputs(GenerateRequest("a cat", **{**SMALL, "width": 60}),
+                                                               "grpc"))
+        _, error = answers.get(timeout=60)
+        return "ok" if error is not None and "width: 60 is not a multiple of 8" in str(error) else f"answered: {error}"
+    except Exception as exc:  # (a dead server: no answer in time, a dropped connection)
+        return f"{type(exc).__name__}: {exc}"
+    finally:
+        client.stop_stream(cancel_requests=True)
+        client.close()
+
+
+def one(client, kind: str, preview_every: int = 2, url: str | None = None) -> str:
     """Runs one request of `kind`; returns its outcome, "ok" where it was the expected one."""
     from clients.client import EaselError, GenerateRequest
 
     try:
+        if kind == "refused-header":
+            return refused_with_header(url)
         if kind == "refused":
             list(client.stream(GenerateRequest("a cat", **SMALL), preview_every=-1))
         elif kind == "refused-late":
@@ -70,18 +102,21 @@ def one(client, kind: str, preview_every: int = 2) -> str:
     return "answered"  # (only the refusing kinds get here)
 
 
-def stress(server, mix: list[str], seconds: float, stall_s: float, preview_every: int = 2) -> dict:
+def stress(server, mix: list[str], seconds: float, stall_s: float, preview_every: int = 2,
+           url: str | None = None) -> dict:
+    """`url`: where clients connect (default: the server's gRPC port)."""
     from clients.client import EaselClient
 
+    url = url or server.url_grpc
     done = [0] * len(mix)  # requests finished, per thread: each thread writes only its own
     failures: list[dict] = []
     stop = threading.Event()
     start = time.monotonic()
 
     def client_loop(index: int, kind: str) -> None:
-        with EaselClient(server.url_grpc, protocol="grpc", timeout_s=60) as client:
+        with EaselClient(url, protocol="grpc", timeout_s=60) as client:
             while not stop.is_set():
-                outcome = one(client, kind, preview_every)
+                outcome = one(client, kind, preview_every, url)
                 if outcome != "ok":
                     failures.append({"kind": kind, "after_s": round(time.monotonic() - start, 1), "outcome": outcome})
                     stop.set()
@@ -125,6 +160,7 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=240.0)
     p.add_argument("--stall", type=float, default=30.0, help="seconds with no request finished that count as a hang")
     p.add_argument("--preview-every", type=int, default=2, help="`stream`'s previews (0: step responses, no previews)")
+    p.add_argument("--front", action="store_true", help="clients go through easel serve's gRPC front")
     args = p.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
     mix = [k.strip() for k in args.mix.split(",") if k.strip()]
@@ -133,6 +169,7 @@ def main() -> None:
         p.error(f"--mix: unknown kinds {unknown}; choose from {', '.join(KINDS)}")
 
     from bench.common import tiny
+    from clients.grpc_front import GrpcFront
     from clients.serve import TritonServer
     from export.repository import ExportOptions, export_repository
 
@@ -140,11 +177,19 @@ def main() -> None:
     repo = args.work / "repo"
     export_repository(tiny(args.work), repo, ExportOptions(device="cpu", max_size=256, max_steps=200))
     server = TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=300).start()
+    front = None
     try:
         server.wait_ready()
-        report = stress(server, mix, args.seconds, args.stall, args.preview_every)
+        if args.front:
+            front = GrpcFront(server.url_grpc, 0, host="127.0.0.1").start()
+        report = stress(server, mix, args.seconds, args.stall, args.preview_every,
+                        url=f"localhost:{front.port}" if front else None)
+        report["front"] = args.front
+        report["dead_stubs"] = server.dead_stubs()
         report["server_log_tail"] = server.log_text().splitlines()[-40:]
     finally:
+        if front is not None:
+            front.stop(grace_s=0)
         server.stop()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

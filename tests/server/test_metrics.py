@@ -61,14 +61,16 @@ def denoiser_inputs(params: dict) -> list:
             tensor("control_images", np.array([b""], dtype=np.object_), "BYTES")]
 
 
-def flood_denoiser(url: str, model: str, requests: list[dict]) -> list:
-    """Requests on one gRPC stream into the decoupled denoiser; (result, error) per request."""
+def flood_denoiser(server, model: str, requests: list[dict]) -> list:
+    """Requests on one gRPC stream into the decoupled denoiser, with the server's internal key;
+    (result, error) per request."""
     answers: queue.Queue = queue.Queue()
-    client = grpcclient.InferenceServerClient(url)
+    client = grpcclient.InferenceServerClient(server.url_grpc)
     client.start_stream(callback=lambda result, error: answers.put((result, error)))
     try:
         for i, params in enumerate(requests):
-            client.async_stream_infer(model, denoiser_inputs(params), request_id=str(i))
+            client.async_stream_infer(model, denoiser_inputs(params), request_id=str(i),
+                                      parameters=server.internal_parameters)
         return [answers.get(timeout=300) for _ in requests]
     finally:
         client.stop_stream()
@@ -114,11 +116,11 @@ def test_queue_running_and_step_metrics_count_what_ran(server):
 
         with ThreadPoolExecutor(EASEL_REQUESTS + 1) as pool:
             easel = [pool.submit(one, i) for i in range(EASEL_REQUESTS)]
-            flood = pool.submit(flood_denoiser, server.url_grpc, model,
+            flood = pool.submit(flood_denoiser, server, model,
                                 [{**PARAMS, "seed": i} for i in range(FLOOD)])
             infos = [f.result().info for f in easel]
             flooded = flood.result()
-        (invalid,) = flood_denoiser(server.url_grpc, model, [{**PARAMS, "steps": 600}])
+        (invalid,) = flood_denoiser(server, model, [{**PARAMS, "steps": 600}])
     finally:
         stop.set()
         watcher.join()
