@@ -20,9 +20,11 @@ setup: $(STAMP) $(PERF)
 
 # perf_analyzer (tritonclient 2.50) links Debian's libb64; the Python backend stub links the
 # system libpython of the running Python version.
+# tritonserver's libraries, and a C compiler for the library easel serve preloads into it
+# (clients/server_preload.py).
 system-deps:
-	@ldconfig -p | grep -q 'libb64.so.0d' && ldconfig -p | grep -q "libpython$$($(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")').so.1" || \
-	  { apt-get update -qq && apt-get install -y -qq libb64-0d "libpython$$($(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')"; }
+	@ldconfig -p | grep -q 'libb64.so.0d' && ldconfig -p | grep -q "libpython$$($(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")').so.1" && command -v cc >/dev/null || \
+	  { apt-get update -qq && apt-get install -y -qq libb64-0d "libpython$$($(PYTHON) -c 'import sys; print(f"{sys.version_info[0]}.{sys.version_info[1]}")')" gcc libc6-dev; }
 
 $(STAMP): requirements.txt pyproject.toml | system-deps
 	$(PYTHON) -m venv $(VENV)
