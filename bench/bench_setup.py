@@ -67,6 +67,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--skip-diffusers-eager", action="store_true", help="keep those already in --out")
     p.add_argument("--skip-diffusers-compiled", action="store_true", help="keep those already in --out (or none)")
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a server start may take")
+    p.add_argument("--controlnet-row-split", action="store_true",
+                   help="export --controlnet-row-split (a guided request's ControlNets called per row)")
     p.add_argument("--cuda-pool-mib", type=int, default=None,
                    help="Triton's CUDA memory pool per GPU (default: easel serve's)")
     p.add_argument("--shared-compile-cache", action="store_true",
@@ -140,6 +142,7 @@ class Setup:
     smoke: bool
     shared_compile_cache: bool = False
     cuda_pool_mib: int | None = None  # None: TritonServer's default
+    controlnet_row_split: bool = False
     vae_dtype: str | None = None
     fp8: tuple[str, ...] = ()
     fp8_fast_accum: bool = False
@@ -157,7 +160,8 @@ class Setup:
         """Where Easel ran, as a configuration's entry records it (and tells entries apart)."""
         return {"gpus": list(self.denoiser_gpus),
                 "controlnet_gpus": list(self.controlnet_gpus) if self.controlnet_gpus else None,
-                "cfg_parallel": [list(p) for p in self.cfg_parallel] or None}
+                "cfg_parallel": [list(p) for p in self.cfg_parallel] or None,
+                **({"controlnet_row_split": True} if self.controlnet_row_split else {})}
 
     @property
     def torch_device(self) -> str:
@@ -206,7 +210,7 @@ def resolve(args: argparse.Namespace) -> Setup:
                  lora_mib=0.25 if smoke else args.lora_mib, gpus=gpus, cfg_parallel=tuple(args.cfg_parallel),
                  controlnet_gpus=tuple(args.controlnet_gpus) if args.controlnet_gpus else None,
                  ready_timeout=args.ready_timeout, shared_compile_cache=args.shared_compile_cache,
-                 cuda_pool_mib=args.cuda_pool_mib,
+                 cuda_pool_mib=args.cuda_pool_mib, controlnet_row_split=args.controlnet_row_split,
                  vae_dtype=args.vae_dtype, fp8=tuple(args.fp8), fp8_fast_accum=args.fp8_fast_accum,
                  smoke=smoke, **pick)
 

@@ -274,7 +274,7 @@ def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> No
         max_in_flight=max(56, top + 48), max_running=max(16, top), max_batch_rows=max(16, 2 * top),
         adapters=str(store) if store else None, max_controlnets=max(3, setup.controlnets),
         max_loras=max(3, setup.loras), controlnet_instances=max(1, setup.controlnets),
-        controlnet_gpus=setup.controlnet_gpus, **extra)
+        controlnet_gpus=setup.controlnet_gpus, controlnet_row_split=setup.controlnet_row_split, **extra)
     buckets = options.resolved_row_buckets
     rows = top if setup.cfg_parallel else 2 * top  # each GPU of a pair runs half the rows
     if rows > max(buckets):

@@ -103,6 +103,9 @@ def parser() -> argparse.ArgumentParser:
                      help="memory for resident ControlNets per service instance")
     exp.add_argument("--controlnet-mode", choices=("sync", "pipelined"), default="sync",
                      help="pipelined: step t uses residuals of step t-1's latents (hides ControlNet time; approximate)")
+    exp.add_argument("--controlnet-row-split", action="store_true",
+                     help="call a guided request's ControlNets once per row, so that two service instances "
+                          "(on GPUs of their own: --controlnet-gpus) share each call (exact)")
     exp.add_argument("--onnx", action="store_true",
                      help="also export each component to ONNX (<model>/1/onnx/<component>.onnx)")
     exp.add_argument("--runtime", choices=("eager", "graphs", "compiled"), default=None,
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
                                 controlnet_gpus=args.controlnet_gpus,
                                 controlnet_instances=args.controlnet_instances,
                                 controlnet_cache_gib=args.controlnet_cache_gib, controlnet_mode=args.controlnet_mode,
-                                runtime=args.runtime, row_buckets=args.row_buckets, warmup_sizes=args.warmup_sizes,
+                                controlnet_row_split=args.controlnet_row_split, runtime=args.runtime, row_buckets=args.row_buckets, warmup_sizes=args.warmup_sizes,
                                 channels_last=args.channels_last, fused_kernels=args.fused_kernels,
                                 vae_attention=args.vae_attention, vae_dtype=args.vae_dtype, fp8=args.fp8,
                                 fp8_fast_accum=args.fp8_fast_accum)

@@ -63,6 +63,7 @@ class ExportOptions:
     controlnet_instances: int = 2  # per GPU (or on CPU): ControlNets that run at once
     controlnet_cache_gib: float = 16.0  # resident ControlNets per instance
     controlnet_mode: str = "sync"  # or "pipelined" (approximate; see backends/core/engine/denoiser.py)
+    controlnet_row_split: bool = False  # DenoiserConfig.controlnet_row_split
     onnx: bool = False  # also write <model>/1/onnx/<component>.onnx (export/onnx_export.py)
     # The UNet runtime (backends/core/runtime/config.py): eager | graphs | compiled; default: the
     # fast one on a GPU, eager on CPU.
@@ -277,6 +278,7 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
             max_queue=options.max_queue, max_batch_rows=options.max_batch_rows, lora_loaders=options.lora_loaders,
             lora_bound_steps=options.lora_bound_steps,
             controlnet_model="controlnet" if options.adapters else None, controlnet_mode=options.controlnet_mode,
+            controlnet_row_split=options.controlnet_row_split,
             controlnet_instances=service.count * max(1, len(service.gpus)),
             cfg_parallel_device=cfg_device)
         params = {**engine_params, "denoiser": config.to_json()}

@@ -204,12 +204,14 @@ def test_denoiser_config_is_typed_and_strict(tiny_model, tmp_path):
 
 def test_every_model_that_reads_params_gets_the_limits(tiny_model, tmp_path):
     """Internal models re-check params against them (Triton cannot hide those models)."""
-    repo = export_repository(tiny_model, tmp_path / "repo", ExportOptions(max_queue=5, max_in_flight=13))
+    repo = export_repository(tiny_model, tmp_path / "repo", ExportOptions(max_queue=5, max_in_flight=13,
+                                                                          controlnet_row_split=True))
     parsed = configs(repo)
     limits = params_of(parsed["preprocess"])["limits"]
     for name in ("text_encoder", "easel", "easel_stream", "vae_decoder"):
         assert params_of(parsed[name])["limits"] == limits, name
-    assert DenoiserConfig.from_json(params_of(parsed["denoiser"])["denoiser"]).max_queue == 5
+    denoiser = DenoiserConfig.from_json(params_of(parsed["denoiser"])["denoiser"])
+    assert denoiser.max_queue == 5 and denoiser.controlnet_row_split
     # the public models' requests in flight are bounded too (past it: UNAVAILABLE at once)
     for name in PUBLIC_MODELS:
         assert params_of(parsed[name])["max_in_flight"] == "13"

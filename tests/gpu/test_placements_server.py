@@ -1,6 +1,7 @@
 """Every multi-GPU placement `easel export` accepts, through a real tritonserver: ControlNets on a
 GPU of their own, a denoiser on GPU 1, replicas with ControlNets on each GPU or on one shared GPU,
-latent parallelism with ControlNets, and (four GPUs) the ControlNets on GPUs 2-3. Each server takes
+latent parallelism with ControlNets, (three GPUs) a guided request's ControlNet split by rows over
+two ControlNet GPUs, and (four GPUs) the ControlNets on GPUs 2-3. Each server takes
 guided one-ControlNet requests at once (so that both replicas and every service instance work) and
 each image is compared with diffusers' StableDiffusionXLControlNetPipeline on the CPU.
 
@@ -50,6 +51,8 @@ PLACEMENTS = [
     pytest.param(dict(gpus=(0,), controlnet_gpus=(2, 3)), marks=gpus(4), id="controlnets-on-gpus2-3"),
     pytest.param(dict(gpus=(0,), cfg_parallel=((0, 1),), controlnet_gpus=(2, 3)), marks=gpus(4),
                  id="cfg-parallel-controlnets-on-gpus2-3"),
+    pytest.param(dict(gpus=(0,), controlnet_gpus=(1, 2), controlnet_instances=1, controlnet_row_split=True),
+                 marks=gpus(3), id="row-split-controlnets-on-gpus1-2"),
 ]
 
 
@@ -92,8 +95,8 @@ def test_guided_controlnet_requests_match_diffusers(tiny_model, tmp_path, refere
         served = {r.info["denoiser"] for r in results.values()}
         assert served == set(options.denoiser_names()), served
         replays = metric_values(server, "easel_controlnet_graph_replays_total")
-        # Guided: one call of both rows a step, or one per row on a latent-parallel pair.
-        calls = len(SEEDS) * REQUEST["steps"] * (2 if options.cfg_parallel else 1)
+        # Guided: one call of both rows a step, or one per row (a latent-parallel pair, a row split).
+        calls = len(SEEDS) * REQUEST["steps"] * (2 if options.cfg_parallel or options.controlnet_row_split else 1)
         assert sum(replays.values()) == calls, replays
     finally:
         server.stop()

@@ -189,3 +189,28 @@ def test_controlnets_split_with_the_rows(repo, folder, store, mode):
     assert {rows for rows, _, _ in provider.calls} == {1}  # every call on one row
     # The guided request: its two rows' calls are separate sessions; the unguided one has one row.
     assert {session for *_, session in provider.calls} == {"r0/0/0", "r0/0/1", "r0/1/0", "r0/1/1", "r1/0", "r1/1"}
+
+
+def test_a_row_split_calls_each_row_alone_in_one_place(repo, folder, store):
+    """DenoiserConfig.controlnet_row_split without latent parallelism: a guided request's
+    ControlNets are called per row (two instances of the service may then share the work), with
+    the residuals put back together; latents equal the unsplit denoiser's within tolerance."""
+    import numpy as np
+    from PIL import Image
+
+    hint = Image.fromarray(np.random.default_rng(1).integers(0, 256, (48, 80, 3), dtype=np.uint8))
+    encoder = PromptEncoder(repo / "text_encoder" / "1", Placement())
+    jobs = []
+    for i, guidance in enumerate((5.0, 1.0)):
+        params = validate({"prompt": f"a boat {i}", "steps": 3, "width": 64, "height": 64, "seed": i,
+                           "guidance_scale": guidance}, Limits())
+        jobs.append(DenoiseJob(f"r{i}", params, *encoder.encode(params), controls=[ControlInput("canny", hint, 0.9)]))
+    cache = ControlNetCache(store, Placement(), budget_bytes=2**30)
+    provider = CountingControlNets(cache)
+    split = TorchDenoiser(folder, Placement(), provider, controlnet_row_split=True)
+    whole = TorchDenoiser(folder, Placement(), LocalControlNets(cache))
+    for g, w in zip(run_requests(split, jobs), run_requests(whole, jobs)):
+        assert rel_err(g, w) <= 1e-4
+    assert {rows for rows, _, _ in provider.calls} == {1}
+    assert {device for _, device, _ in provider.calls} == {None}  # (one place: the sample's device)
+    assert {session for *_, session in provider.calls} == {"r0/0/0", "r0/0/1", "r1/0"}

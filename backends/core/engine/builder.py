@@ -114,7 +114,8 @@ def build_denoiser(config: DenoiserConfig, folder: str | Path, placement: Placem
     `publish_load(work)` is told the loop's outstanding work whenever it changes (routing)."""
     folder = Path(folder)
     runtime = build_runtime(folder, placement, config.runtime, config.cfg_parallel_device)
-    engine = TorchDenoiser(folder, placement, controlnet_mode=config.controlnet_mode, runtime=runtime)
+    engine = TorchDenoiser(folder, placement, controlnet_mode=config.controlnet_mode, runtime=runtime,
+                           controlnet_row_split=config.controlnet_row_split)
     store = AdapterStore(store_folder) if store_folder else None
     if controlnets is not None and config.controlnet_model:
         engine.controlnets = controlnets(engine, store)

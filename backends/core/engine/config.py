@@ -35,6 +35,9 @@ class DenoiserConfig:
     lora_bound_steps: int = 0  # steps a request may run before its LoRAs must be merged (0: exact)
     controlnet_model: str | None = None  # the ControlNet service's Triton model, called by BLS
     controlnet_mode: str = "sync"  # or "pipelined" (step t uses step t-1's residuals; approximate)
+    # A guided request's ControlNets called once per row (each call half the work), so that two
+    # of the service's instances, on GPUs of their own, share each call's time (exact).
+    controlnet_row_split: bool = False
     # The service's instances in all: a request's ControlNet image and embeddings go with its first
     # calls until each instance can have seen them (backends/core/adapters/control_sessions.py).
     controlnet_instances: int = 1

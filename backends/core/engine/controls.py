@@ -5,6 +5,8 @@ A request's ControlNets are called on its rows together, or, where the runtime s
 request's rows over its sides (latent parallelism: the unconditional row on the second GPU), once
 per row, each call's residuals delivered to its row's device: the ControlNets split the same way
 as the UNet, each call does half the work, and no residual crosses between the GPUs afterwards.
+With a row split (DenoiserConfig.controlnet_row_split) the calls are per row in one place too,
+so that two instances of the service share a guided request's ControlNet time.
 """
 
 from __future__ import annotations
@@ -30,14 +32,16 @@ class ControlPart:
 
 
 def submit_controls(provider: ResidualProvider, states, sample: torch.Tensor, timestep: torch.Tensor,
-                    sides: tuple[int, ...] | None, side_devices: tuple, ready) -> list[list[ControlPart]]:
+                    sides: tuple[int, ...] | None, side_devices: tuple, ready,
+                    split_rows: bool = False) -> list[list[ControlPart]]:
     """Every ControlNet call of this step whose guidance window is open, per request in order.
-    `sides`: the runtime's side of each batch row (UNetRuntime.row_sides), or None for one place."""
+    `sides`: the runtime's side of each batch row (UNetRuntime.row_sides), or None for one place.
+    `split_rows`: a call per row even where the request's rows run in one place."""
     pending, row = [], 0
     for s in states:
         active = [c for c in s.controls if c.keep(s.index, len(s.timesteps))]
         mine = sides[row:row + s.rows] if sides is not None else None
-        split = mine is not None and len(set(mine)) > 1
+        split = (split_rows and s.rows > 1) or (mine is not None and len(set(mine)) > 1)
         spans = ([(k, 1) for k in range(s.rows)] if split else [(0, s.rows)]) if active else []
         parts = []
         for offset, n in spans:

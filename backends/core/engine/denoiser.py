@@ -125,11 +125,13 @@ class RequestState:
 
 class TorchDenoiser:
     def __init__(self, folder: str | Path, placement: Placement, controlnets: ResidualProvider | None = None,
-                 controlnet_mode: str = "sync", runtime: UNetRuntime | None = None):
-        """`runtime`: how the UNet runs (backends/core/runtime); default: eager over the folder's halves."""
+                 controlnet_mode: str = "sync", runtime: UNetRuntime | None = None, controlnet_row_split: bool = False):
+        """`runtime`: how the UNet runs (backends/core/runtime); default: eager over the folder's halves.
+        `controlnet_row_split`: DenoiserConfig.controlnet_row_split."""
         if controlnet_mode not in CONTROLNET_MODES:
             raise ValueError(f"controlnet_mode: {controlnet_mode!r} is not one of {CONTROLNET_MODES}")
         self.controlnet_mode = controlnet_mode
+        self.controlnet_row_split = controlnet_row_split
         self.folder = folder = Path(folder)
         self.placement = placement
         self.device = torch.device(placement.device)
@@ -365,7 +367,8 @@ class TorchDenoiser:
         if self.stream is not None and any(s.controls for s in states):
             ready = torch.cuda.Event()
             ready.record(self.stream)
-        return submit_controls(self.controlnets, states, sample, timestep, sides, self.runtime.side_devices, ready)
+        return submit_controls(self.controlnets, states, sample, timestep, sides, self.runtime.side_devices, ready,
+                               split_rows=self.controlnet_row_split)
 
     @staticmethod
     def _pipeline(states, pending):
