@@ -12,6 +12,7 @@
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
+#include <errno.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
@@ -37,6 +38,10 @@ int shm_open(const char* name, int oflag, mode_t mode)
 {
   static int (*real)(const char*, int, mode_t);
   if (!real) real = (int (*)(const char*, int, mode_t))dlsym(RTLD_NEXT, "shm_open");
+  if (!real) { /* (older C libraries keep it in librt, loaded by whoever calls it) */
+    errno = ENOSYS;
+    return -1;
+  }
   return real(name, oflag, mode & PRIVATE_BITS);
 }
 
@@ -44,6 +49,10 @@ int fchmod(int fd, mode_t mode)
 {
   static int (*real)(int, mode_t);
   if (!real) real = (int (*)(int, mode_t))dlsym(RTLD_NEXT, "fchmod");
+  if (!real) {
+    errno = ENOSYS;
+    return -1;
+  }
   if (is_shared_memory(fd)) mode &= PRIVATE_BITS;
   return real(fd, mode);
 }
