@@ -111,8 +111,6 @@ STREAM = ModelDecl(
 
 WIRE_DTYPES = {"fp32": "FP32", "fp16": "FP16", "bf16": "BF16"}
 
-
-
 # Internal models (everything but the public `easel` and `easel_stream`) take calls that carry the
 # server's per-start secret as this request parameter; the server's environment holds it
 # (backends/triton_adapter.check_caller).
