@@ -214,3 +214,27 @@ def test_a_row_split_calls_each_row_alone_in_one_place(repo, folder, store):
     assert {rows for rows, _, _ in provider.calls} == {1}
     assert {device for _, device, _ in provider.calls} == {None}  # (one place: the sample's device)
     assert {session for *_, session in provider.calls} == {"r0/0/0", "r0/0/1", "r1/0"}
+
+
+def test_a_field_added_to_step_batch_reaches_both_sides(folder):
+    """Runtimes derive a side's batch with StepBatch.map_rows, which carries every field: a field
+    added to StepBatch later (here by a subclass) reaches both sides' runtimes as it was, and a
+    per-row tensor is split with the rows."""
+    from dataclasses import dataclass
+
+    @dataclass
+    class Tagged(StepBatch):
+        tag: str | None = None
+
+    runtime = parallel(folder)
+    seen = []
+    for side in (runtime.primary, runtime.secondary):
+        encode = side.encode
+        side.encode = lambda batch, encode=encode: (seen.append(batch), encode(batch))[1]
+    batch = mixed_batch(runtime.weights_module, (2, 1, 2), seed=3)
+    runtime.encode(Tagged(**{f.name: getattr(batch, f.name) for f in batch.__dataclass_fields__.values()},
+                          tag="kept"))
+    assert len(seen) == 2 and all(isinstance(b, Tagged) and b.tag == "kept" for b in seen)
+    assert sorted(b.rows for b in seen) == [2, 3] and all(b.rows_per_request is None for b in seen)
+    moved = batch.map_rows(lambda t: t[:1])
+    assert moved.rows == 1 and moved.rows_per_request == batch.rows_per_request  # (the rest as it was)

@@ -27,6 +27,7 @@ from backends.core.runtime.artifacts import UNET_DIR, load_unet_halves
 from backends.core.runtime.base import StepBatch, UNetRuntime
 from backends.core.runtime.config import RuntimeConfig
 from backends.core.runtime.placement import Placement
+from backends.core.runtime.specs import unet_pooled_dim
 from backends.core.runtime.torch_eager import EagerUNetRuntime
 
 log = logging.getLogger(__name__)
@@ -150,7 +151,7 @@ def template_batch(unet, device, dtype, tokens: int = 77) -> StepBatch:
     import torch
 
     cfg = unet.config
-    pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+    pooled = unet_pooled_dim(cfg)
     kw = dict(device=device, dtype=dtype)
     return StepBatch(sample=torch.zeros(1, cfg.in_channels, 8, 8, **kw),
                      timestep=torch.full((1,), 500.0, device=device),

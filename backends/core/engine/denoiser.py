@@ -30,6 +30,7 @@ from backends.core.adapters.lora import LoraMerger, LoraSet, lora_key
 from backends.core.request.params import GenerateParams, InvalidInput
 from backends.core.runtime.host_copies import to_device
 from backends.core.runtime.placement import Placement
+from backends.core.runtime.specs import unet_pooled_dim
 from backends.core.engine.controls import collect_controls, submit_controls
 from backends.core.engine.diffusers_schedulers import SchedulerPrototypes
 from backends.core.engine import noise
@@ -188,7 +189,7 @@ class TorchDenoiser:
         # Checked here, before the request joins a batch: embeddings of another shape would fail
         # the whole batch's step, everyone's (the denoiser can be called directly, with anything).
         cfg = self.unet.config
-        pooled_dim = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+        pooled_dim = unet_pooled_dim(cfg)
         for name, array, shape in (("prompt_embeds", job.prompt_embeds, (rows, TEXT_TOKENS, cfg.cross_attention_dim)),
                                    ("pooled_embeds", job.pooled_embeds, (rows, pooled_dim))):
             if tuple(array.shape) != shape:

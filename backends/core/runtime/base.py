@@ -21,7 +21,7 @@ A runtime whose `caps` lack a mode refuses a batch that uses it (`check_batch`),
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Protocol
 
 if TYPE_CHECKING:
@@ -99,9 +99,19 @@ class StepBatch:
     def rows(self) -> int:
         return self.sample.shape[0]
 
+    def map_rows(self, fn, **changes) -> "StepBatch":
+        """This batch with `fn` applied to each of its per-row tensors that is set (ROW_TENSORS)
+        and `changes` replacing any field; every other field, one added later included, carried
+        over as it is. The one way runtimes derive a batch from another."""
+        tensors = {name: fn(getattr(self, name)) for name in ROW_TENSORS if getattr(self, name) is not None}
+        return replace(self, **{**tensors, **changes})
+
     @property
     def latent_shape(self) -> tuple[int, int]:
         return tuple(self.sample.shape[-2:])
+
+
+ROW_TENSORS = ("sample", "timestep", "text", "pooled", "time_ids", "token_masks")  # StepBatch's, one row per row
 
 
 @dataclass

@@ -183,12 +183,10 @@ class CfgParallelRuntime:
             self._sent[side] = (key, tuple(t.index_select(0, index).to(device, non_blocking=True)
                                            for t in (batch.text, batch.pooled, batch.time_ids)))
         text, pooled, time_ids = self._sent[side][1]
-        return StepBatch(
-            sample=batch.sample.index_select(0, index).to(device, non_blocking=True),
-            timestep=batch.timestep.index_select(0, index).to(device, non_blocking=True),
-            text=text, pooled=pooled, time_ids=time_ids,
-            lora_segments=_segments_of(batch.lora_segments, mine),
-            text_key=batch.text_key)
+        # (one side places no rows by request: rows_per_request goes)
+        return batch.map_rows(lambda t: t.index_select(0, index).to(device, non_blocking=True),
+                              text=text, pooled=pooled, time_ids=time_ids,
+                              lora_segments=_segments_of(batch.lora_segments, mine), rows_per_request=None)
 
 
 def _segments_of(segments: tuple[LoraSegment, ...], rows: tuple[int, ...]) -> tuple[LoraSegment, ...]:
@@ -211,4 +209,4 @@ def _rows_of(residuals: Residuals | None, index: torch.Tensor, device: torch.dev
 
 
 def _moved(batch: StepBatch, device: torch.device) -> StepBatch:
-    return StepBatch(*(t.to(device) for t in (batch.sample, batch.timestep, batch.text, batch.pooled, batch.time_ids)))
+    return batch.map_rows(lambda t: t.to(device))

@@ -215,6 +215,16 @@ def _text_dims(unet_config) -> tuple[int, int]:
     return text_dim, _get(unet_config, "time_embedding_dim") or 4 * _get(unet_config, "block_out_channels")[0]
 
 
+# SDXL-base conditions on six time ids: original size, crop top-left, target size (the refiner on five).
+TIME_IDS = 6
+
+
+def unet_pooled_dim(unet_config, time_ids: int = TIME_IDS) -> int:
+    """The pooled text embedding's width: what the UNet's added-condition projection takes besides
+    its time ids."""
+    return _get(unet_config, "projection_class_embeddings_input_dim") - time_ids * _get(unet_config, "addition_time_embed_dim")
+
+
 def unet_encoder_spec(unet_config, text_dim: int | None = None, pooled_dim: int | None = None) -> ComponentSpec:
     """(latents, timestep, text states, pooled text, time ids) -> (emb, mid, skip_0..skip_{n-1}).
 
@@ -225,9 +235,9 @@ def unet_encoder_spec(unet_config, text_dim: int | None = None, pooled_dim: int 
         raise ValueError(f"text_dim {text_dim} != the UNet's cross_attention_dim {own_text_dim}")
     add_in = _get(unet_config, "projection_class_embeddings_input_dim")
     per_id = _get(unet_config, "addition_time_embed_dim")
-    n_ids = 6 if pooled_dim is None else (add_in - pooled_dim) // per_id
+    n_ids = TIME_IDS if pooled_dim is None else (add_in - pooled_dim) // per_id
     if pooled_dim is None:
-        pooled_dim = add_in - n_ids * per_id
+        pooled_dim = unet_pooled_dim(unet_config, n_ids)
     if n_ids < 1 or pooled_dim + n_ids * per_id != add_in:
         raise ValueError(f"pooled_dim {pooled_dim} does not fit projection_class_embeddings_input_dim {add_in}")
     channels = _get(unet_config, "block_out_channels")

@@ -279,4 +279,4 @@ def _resized(template: StepBatch, rows: int, h: int, w: int) -> StepBatch:
 
     sample = torch.randn((rows, template.sample.shape[1], h, w), device=template.sample.device,
                          dtype=template.sample.dtype)
-    return StepBatch(sample, rep(template.timestep), rep(template.text), rep(template.pooled), rep(template.time_ids))
+    return template.map_rows(rep, sample=sample)
