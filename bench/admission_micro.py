@@ -68,7 +68,7 @@ def main() -> None:
     from backends.core.engine import noise
     from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
     from backends.core.engine.loop import DenoiseLoop
-    from backends.core.engine.scheduler import SchedulerConfig
+    from backends.core.engine.step_batcher import BatcherConfig
     from backends.core.request.params import Limits, validate
     from backends.core.runtime.placement import Placement
 
@@ -128,7 +128,7 @@ def main() -> None:
         if profiler is not None:
             engine.start = _profiled(profiler, direct)
         loop = DenoiseLoop(engine, lambda r: (results.append(r), done.set()),
-                           SchedulerConfig(max_running=1, max_batch_rows=2))
+                           BatcherConfig(max_running=1, max_batch_rows=2))
         loop.start()
         try:
             for i in range(first, first + count):

@@ -13,7 +13,7 @@ from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
 from backends.core.engine.loop import DenoiseLoop, DenoiseResult
 from backends.core.request.params import Limits, validate
 from backends.core.runtime.placement import Placement
-from backends.core.engine.scheduler import SchedulerConfig
+from backends.core.engine.step_batcher import BatcherConfig
 from backends.core.stages.text_encoding import PromptEncoder
 from export.repository import ExportOptions, export_repository
 
@@ -51,7 +51,7 @@ def job(encoder, rid, steps=4, size=64, seed=1, scheduler=None, **kw):
     return DenoiseJob(request_id=rid, params=params, prompt_embeds=embeds, pooled_embeds=pooled, **kw)
 
 
-def run(engine, jobs, config=SchedulerConfig()):
+def run(engine, jobs, config=BatcherConfig()):
     results = Results()
     loop = DenoiseLoop(engine, results, config)
     loop.start()
@@ -106,7 +106,7 @@ def test_a_passed_deadline_stops_the_request_at_a_step_boundary(engines):
 def test_requests_of_two_sizes_interleave_and_share_steps(engines):
     engine, encoder = engines
     jobs = [job(encoder, f"r{i}", steps=3 + i, size=64 if i % 2 else 96, seed=i) for i in range(6)]
-    out = run(engine, jobs, SchedulerConfig(max_running=6, max_batch_rows=6))
+    out = run(engine, jobs, BatcherConfig(max_running=6, max_batch_rows=6))
     assert all(r.error is None and r.steps == 3 + i for i, r in enumerate(out))
     assert max(r.max_batch for r in out) == 3  # three CFG requests of one size fill 6 rows
 
@@ -165,7 +165,7 @@ def test_lora_lands_at_the_bound_and_moves_the_result_a_little(engines, tiny_mod
     loop.submit(bounded)
     seq = None
     for _ in range(200):  # it runs steps 0 and 1 without the LoRA, then waits at the bound
-        seq = loop.scheduler.find("bounded")
+        seq = loop.batcher.find("bounded")
         if seq is not None and seq.steps_done == 2:
             break
         threading.Event().wait(0.05)

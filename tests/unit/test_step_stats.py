@@ -8,7 +8,7 @@ import torch
 
 from backends.core.engine import step_stats
 from backends.core.engine.loop import DenoiseLoop
-from backends.core.engine.scheduler import SchedulerConfig
+from backends.core.engine.step_batcher import BatcherConfig
 from backends.core.engine.step_stats import (DECODED, DECODER, ENCODED, ENCODER, SAMPLED, SAMPLER, LoopStats,
                                              StepClock)
 from tests.unit.test_denoise_loop import Results, job
@@ -37,7 +37,7 @@ def test_the_loop_records_every_step_its_rows_and_each_first_step(engines):
         seen.append((loop.stats.queued, loop.stats.running))
         results(result)
 
-    loop = DenoiseLoop(engine, done, SchedulerConfig(max_running=2, max_batch_rows=4))
+    loop = DenoiseLoop(engine, done, BatcherConfig(max_running=2, max_batch_rows=4))
     for j in [bad, *jobs]:
         loop.submit(j)
     assert loop.stats.queued == 4 and loop.stats.running == 0  # in the inbox: admitted, not running

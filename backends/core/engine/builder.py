@@ -21,7 +21,7 @@ from backends.core.adapters.store import AdapterStore
 from backends.core.engine.config import DenoiserConfig
 from backends.core.engine.denoiser import TorchDenoiser
 from backends.core.engine.loop import DenoiseLoop, DenoiseResult
-from backends.core.engine.scheduler import SchedulerConfig
+from backends.core.engine.step_batcher import BatcherConfig
 from backends.core.request.params import GenerateParams, InvalidInput
 from backends.core.runtime.artifacts import UNET_DIR, load_unet_halves
 from backends.core.runtime.base import StepBatch, UNetRuntime
@@ -128,7 +128,7 @@ def build_denoiser(config: DenoiserConfig, folder: str | Path, placement: Placem
         log.warning("LoRA loader processes did not start; LoRA requests will fail until they do")
     bounds_file = folder / BOUNDS_FILE
     bounds = json.loads(bounds_file.read_text()) if bounds_file.exists() else {}
-    loop = DenoiseLoop(engine, on_done, SchedulerConfig(max_running=config.max_running,
+    loop = DenoiseLoop(engine, on_done, BatcherConfig(max_running=config.max_running,
                                                         max_batch_rows=config.max_batch_rows), publish_load)
     return Denoiser(config, engine, loop, store, loader, bounds, warmup_s)
 

@@ -1,8 +1,8 @@
 """The denoiser's loop thread: the one owner of the engine.
 
-    plan = scheduler.schedule()   # who runs this step
+    plan = batcher.schedule()   # who runs this step
     engine.step(states of plan)   # one batched UNet call
-    scheduler.update(plan, out)   # advance, finish, fail
+    batcher.update(plan, out)   # advance, finish, fail
 
 `submit` and `cancel` only enqueue, so Triton's `execute` never blocks. Finished requests are
 handed to `on_done`, which must not block either (the Triton adapter queues the response and a
@@ -23,7 +23,7 @@ import numpy as np
 
 from backends.core.engine.denoiser import DenoiseJob, RequestState, StepProgress, TorchDenoiser
 from backends.core.request.params import InvalidInput, UnknownAdapter
-from backends.core.engine.scheduler import SchedulerConfig, SeqState, Status, StepOutput, StepScheduler
+from backends.core.engine.step_batcher import BatcherConfig, SeqState, Status, StepOutput, StepBatcher
 from backends.core.engine.step_stats import LoopStats
 
 log = logging.getLogger(__name__)
@@ -62,7 +62,7 @@ def failure_kind(exc: BaseException) -> str:
 
 class DenoiseLoop:
     def __init__(self, engine: TorchDenoiser, on_done: Callable[[DenoiseResult], None],
-                 config: SchedulerConfig = SchedulerConfig(), publish_load: Callable[[float], None] | None = None):
+                 config: BatcherConfig = BatcherConfig(), publish_load: Callable[[float], None] | None = None):
         self.engine = engine
         self.on_done = on_done
         # The work still to do (GenerateParams.work of the steps left) of the requests submitted and
@@ -71,7 +71,7 @@ class DenoiseLoop:
         self._inbox_work = 0.0
         self._held_work = 0.0
         self._work_lock = threading.Lock()
-        self.scheduler = StepScheduler(config)
+        self.batcher = StepBatcher(config)
         self.states: dict[str, RequestState] = {}
         self.stats = LoopStats()  # queue, running, step records: read by the adapter's metrics thread
         self._inbox: queue.Queue[DenoiseJob | None | str] = queue.Queue()
@@ -102,13 +102,13 @@ class DenoiseLoop:
     def _loop(self) -> None:
         clock = self.engine.clock
         while not self._stopping.is_set():
-            if not self.scheduler.has_work():
+            if not self.batcher.has_work():
                 clock.idle(self.stats)
-            self._drain(block=not self.scheduler.has_work())
+            self._drain(block=not self.batcher.has_work())
             clock.begin()  # the step's wall time starts here: scheduling is part of it
             self._reap_cancelled()
             self._take_loaded_loras()
-            plan = self.scheduler.schedule(now=time.monotonic())
+            plan = self.batcher.schedule(now=time.monotonic())
             self._count()
             if plan is None:  # nothing runnable: every request waits at its LoRA bound
                 clock.discard()
@@ -126,7 +126,7 @@ class DenoiseLoop:
                 output = StepOutput(failed={rid: f"denoising step failed: {exc}" for rid in plan.request_ids})
                 new = None
             self._report_steps(batch, output)  # before any result: a request's progress precedes its end
-            for seq in self.scheduler.update(plan, output):
+            for seq in self.batcher.update(plan, output):
                 self._finish(seq, kinds.get(seq.request_id))
             self._count()
             if new is None:
@@ -139,8 +139,8 @@ class DenoiseLoop:
 
     def _count(self, taken: float = 0.0) -> None:
         """`taken`: the work of a job just taken from the inbox (admitted, or failed at admission)."""
-        self.stats.waiting = len(self.scheduler.waiting)
-        self.stats.running = len(self.scheduler.running)
+        self.stats.waiting = len(self.batcher.waiting)
+        self.stats.running = len(self.batcher.running)
         if self.publish_load is not None:
             held = sum(s.job.params.work(len(s.timesteps) - s.index) for s in self.states.values())
             with self._work_lock:  # one value: the job leaves the inbox's count as it joins the held
@@ -195,7 +195,7 @@ class DenoiseLoop:
             state.admit_s = time.monotonic() - started
             seq = SeqState(request_id=job.request_id, steps=len(state.timesteps),
                            shape=tuple(state.latents.shape[-2:]), rows=state.rows, arrival=job.arrival)
-            self.scheduler.add(seq)
+            self.batcher.add(seq)
         except Exception as exc:
             if failure_kind(exc) == "failed":  # our fault: its traceback (refusals: the adapter logs one line)
                 log.exception("request %s failed at admission", job.request_id)
@@ -223,7 +223,7 @@ class DenoiseLoop:
                 self._abort(rid, Status.FAILED, str(exc), kind=failure_kind(exc))
                 continue
             state.lora_step = state.index
-            seq = self.scheduler.find(rid)
+            seq = self.batcher.find(rid)
             if seq is not None:
                 seq.wait_from_step = None
 
@@ -240,7 +240,7 @@ class DenoiseLoop:
                                                    "it reached the denoiser)", kind="cancelled")
 
     def _abort(self, rid: str, status: Status, why: str, kind: str = "failed") -> None:
-        seq = self.scheduler.abort(rid, status, why)
+        seq = self.batcher.abort(rid, status, why)
         if seq is not None:
             self._finish(seq, kind)
 

@@ -25,7 +25,7 @@ class Status(enum.Enum):
 
 @dataclass
 class SeqState:
-    """What the scheduler knows about one request."""
+    """What the step batcher knows about one request."""
 
     request_id: str
     steps: int
@@ -68,15 +68,15 @@ class StepOutput:
 
 
 @dataclass(frozen=True)
-class SchedulerConfig:
-    max_running: int = 16  # requests holding state (latents, scheduler) at once
+class BatcherConfig:
+    max_running: int = 16  # requests holding state (latents, noise schedule) at once
     max_batch_rows: int = 16  # UNet batch rows per step (a CFG request takes 2)
 
 
-class StepScheduler:
-    def __init__(self, config: SchedulerConfig = SchedulerConfig()):
+class StepBatcher:
+    def __init__(self, config: BatcherConfig = BatcherConfig()):
         if config.max_running < 1 or config.max_batch_rows < 2:
-            raise ValueError(f"scheduler config out of range: {config}")
+            raise ValueError(f"step batcher config out of range: {config}")
         self.config = config
         self.waiting: list[SeqState] = []
         self.running: dict[str, SeqState] = {}

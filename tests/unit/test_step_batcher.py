@@ -1,4 +1,4 @@
-"""backends/core/engine/scheduler.py: the step-level batching state machine, driven by fake step outputs.
+"""backends/core/engine/step_batcher.py: the step-level batching state machine, driven by fake step outputs.
 
 No tensors: each test plays the executor, calling `schedule()` and reporting back a StepOutput.
 """
@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import pytest
 
-from backends.core.engine.scheduler import SchedulerConfig, SeqState, Status, StepOutput, StepScheduler
+from backends.core.engine.step_batcher import BatcherConfig, SeqState, Status, StepOutput, StepBatcher
 
 A, B, C = (8, 8), (9, 13), (16, 8)  # latent shapes
 
@@ -19,14 +19,14 @@ def seq(rid: str, steps: int = 3, shape=A, rows: int = 2, arrival: float = 0.0) 
     return SeqState(request_id=rid, steps=steps, shape=shape, rows=rows, arrival=arrival)
 
 
-def scheduler(max_running: int = 16, max_batch_rows: int = 16, *seqs: SeqState) -> StepScheduler:
-    s = StepScheduler(SchedulerConfig(max_running=max_running, max_batch_rows=max_batch_rows))
+def batcher(max_running: int = 16, max_batch_rows: int = 16, *seqs: SeqState) -> StepBatcher:
+    s = StepBatcher(BatcherConfig(max_running=max_running, max_batch_rows=max_batch_rows))
     for q in seqs:
         s.add(q)
     return s
 
 
-def tick(s: StepScheduler, failed: dict[str, str] | None = None):
+def tick(s: StepBatcher, failed: dict[str, str] | None = None):
     """One executor round: schedule, 'run' the step, report it; returns (plan, ids that left)."""
     plan = s.schedule()
     assert plan is not None
@@ -34,11 +34,11 @@ def tick(s: StepScheduler, failed: dict[str, str] | None = None):
     return plan, [q.request_id for q in left]
 
 
-def drain(s: StepScheduler, limit: int = 10_000):
+def drain(s: StepBatcher, limit: int = 10_000):
     """Run until no work is left; returns the plans and every request that left, in order."""
     plans, left = [], []
     while s.has_work():
-        assert len(plans) < limit, "scheduler did not drain"
+        assert len(plans) < limit, "the batcher did not drain"
         plan = s.schedule()
         plans.append(plan)
         left += s.update(plan, StepOutput())
@@ -60,22 +60,22 @@ def max_gap(ticks: list[int]) -> int:
 # --- configuration and add() ---
 
 
-@pytest.mark.parametrize("config", [SchedulerConfig(max_running=0), SchedulerConfig(max_running=-1),
-                                    SchedulerConfig(max_batch_rows=1), SchedulerConfig(max_batch_rows=0)])
+@pytest.mark.parametrize("config", [BatcherConfig(max_running=0), BatcherConfig(max_running=-1),
+                                    BatcherConfig(max_batch_rows=1), BatcherConfig(max_batch_rows=0)])
 def test_config_out_of_range_is_rejected(config):
     with pytest.raises(ValueError, match="out of range"):
-        StepScheduler(config)
+        StepBatcher(config)
 
 
 def test_smallest_valid_config_works():
-    s = scheduler(1, 2, seq("a", steps=2), seq("b", steps=1))
+    s = batcher(1, 2, seq("a", steps=2), seq("b", steps=1))
     plans, left = drain(s)
     assert [p.request_ids for p in plans] == [("a",), ("a",), ("b",)]
     assert [q.request_id for q in left] == ["a", "b"]
 
 
 def test_duplicate_ids_are_rejected_while_waiting_and_while_running():
-    s = scheduler(1, 16, seq("a"), seq("b"))
+    s = batcher(1, 16, seq("a"), seq("b"))
     with pytest.raises(ValueError, match="duplicate request id 'b'"):  # b is waiting
         s.add(seq("b"))
     s.schedule()  # a is running now
@@ -85,14 +85,14 @@ def test_duplicate_ids_are_rejected_while_waiting_and_while_running():
 
 
 def test_an_id_is_free_again_once_its_request_left():
-    s = scheduler(4, 16, seq("a", steps=1))
+    s = batcher(4, 16, seq("a", steps=1))
     assert tick(s)[1] == ["a"]
     s.add(seq("a", steps=1))
     assert tick(s)[1] == ["a"]
 
 
 def test_requests_over_the_row_budget_are_rejected():
-    s = scheduler(4, 3)
+    s = batcher(4, 3)
     with pytest.raises(ValueError, match="needs 4 rows, over max_batch_rows=3"):
         s.add(seq("big", rows=4))
     assert not s.has_work()
@@ -101,7 +101,7 @@ def test_requests_over_the_row_budget_are_rejected():
 
 
 def test_nothing_to_do_gives_no_plan():
-    s = scheduler()
+    s = batcher()
     assert not s.has_work()
     assert s.schedule() is None
 
@@ -110,7 +110,7 @@ def test_nothing_to_do_gives_no_plan():
 
 
 def test_admission_is_fcfs_and_bounded_by_max_running():
-    s = scheduler(2, 16, *(seq(f"r{i}", steps=1 + i, shape=[A, B][i % 2], arrival=i) for i in range(5)))
+    s = batcher(2, 16, *(seq(f"r{i}", steps=1 + i, shape=[A, B][i % 2], arrival=i) for i in range(5)))
     admitted = []
     while s.has_work():
         plan = s.schedule()
@@ -122,7 +122,7 @@ def test_admission_is_fcfs_and_bounded_by_max_running():
 
 
 def test_equal_shapes_share_one_step():
-    s = scheduler(16, 16, seq("a", steps=2), seq("b", steps=2, rows=1), seq("c", steps=2))
+    s = batcher(16, 16, seq("a", steps=2), seq("b", steps=2, rows=1), seq("c", steps=2))
     plan, left = tick(s)
     assert plan.admitted == ("a", "b", "c")
     assert sorted(plan.request_ids) == ["a", "b", "c"] and plan.shape == A
@@ -133,7 +133,7 @@ def test_equal_shapes_share_one_step():
 
 def test_row_budget_is_never_exceeded_and_the_left_out_request_goes_next():
     # Budget 5: two CFG requests (4 rows) fit, the third would make 6; the batch stops there.
-    s = scheduler(16, 5, seq("a", arrival=0), seq("b", arrival=1), seq("c", arrival=2), seq("d", rows=1, arrival=3))
+    s = batcher(16, 5, seq("a", arrival=0), seq("b", arrival=1), seq("c", arrival=2), seq("d", rows=1, arrival=3))
     plans, _ = drain(s)
     rows = {"a": 2, "b": 2, "c": 2, "d": 1}
     for plan in plans:
@@ -144,7 +144,7 @@ def test_row_budget_is_never_exceeded_and_the_left_out_request_goes_next():
 
 
 def test_requests_join_between_steps_and_leave_after_their_last_step():
-    s = scheduler(16, 16, seq("a", steps=3))
+    s = batcher(16, 16, seq("a", steps=3))
     tick(s)
     s.add(seq("b", steps=2, arrival=1.0))  # joins while a is mid-way
     plan, left = tick(s)
@@ -156,7 +156,7 @@ def test_requests_join_between_steps_and_leave_after_their_last_step():
 
 
 def test_finished_requests_report_status_and_step_count():
-    s = scheduler(16, 16, seq("one", steps=1), seq("four", steps=4, shape=B))
+    s = batcher(16, 16, seq("one", steps=1), seq("four", steps=4, shape=B))
     plans, left = drain(s)
     assert [q.request_id for q in left] == ["one", "four"]
     for q in left:
@@ -166,7 +166,7 @@ def test_finished_requests_report_status_and_step_count():
 
 
 def test_first_step_time_is_the_now_of_the_first_plan_that_serves_it():
-    s = scheduler(1, 16, seq("a", steps=2), seq("b", steps=1))
+    s = batcher(1, 16, seq("a", steps=2), seq("b", steps=1))
     s.update(s.schedule(now=10.0), StepOutput())
     (a,) = s.update(s.schedule(now=11.0), StepOutput())
     assert a.first_step_at == 10.0
@@ -183,7 +183,7 @@ def test_different_shapes_interleave_round_robin():
     # Three shapes, all admitted at once, each shape fits in one batch: A, B, C, A, B, C, ...
     seqs = [seq(f"{name}{i}", steps=4 + i, shape=shape, rows=2, arrival=k * 3 + i)
             for k, (name, shape) in enumerate([("a", A), ("b", B), ("c", C)]) for i in range(3)]
-    s = scheduler(16, 16, *seqs)
+    s = batcher(16, 16, *seqs)
     plans, left = drain(s)
     for plan in plans:
         assert len({q.shape for q in seqs if q.request_id in plan.request_ids}) == 1
@@ -198,7 +198,7 @@ def test_no_shape_starves_when_batches_are_row_limited():
     # Budget of 4 rows: each shape needs two batches per round. With n running requests and no new
     # arrivals, the stalest request is served at least every n ticks.
     seqs = [seq(f"r{i}", steps=3 + i % 4, shape=[A, B, C][i % 3], rows=1 + i % 2, arrival=i) for i in range(12)]
-    s = scheduler(16, 4, *seqs)
+    s = batcher(16, 4, *seqs)
     plans, left = drain(s)
     assert len(left) == 12 and all(q.steps_done == q.steps for q in left)
     for rid, t in served_ticks(plans).items():
@@ -211,7 +211,7 @@ def test_no_shape_starves_when_batches_are_row_limited():
     (16, 1, 15),  # the default config, guidance <= 1 requests (1 row) of 15 steps
 ], ids=["small", "default-config"])
 def test_a_stream_of_newcomers_does_not_starve_another_shape(max_running, rows, stream_steps):
-    s = scheduler(max_running, 16, seq("odd", steps=4, shape=B, rows=rows, arrival=0))
+    s = batcher(max_running, 16, seq("odd", steps=4, shape=B, rows=rows, arrival=0))
     # A stream of shape-A requests, staggered: the first ones need 1, 2, ... steps, as if each had
     # arrived one step after the previous one.
     for i in range(200):
@@ -225,7 +225,7 @@ def test_a_stream_of_newcomers_does_not_starve_another_shape(max_running, rows, 
 
 
 def test_a_failed_request_leaves_with_its_error_and_the_rest_advance():
-    s = scheduler(16, 16, seq("a"), seq("b"), seq("c"))
+    s = batcher(16, 16, seq("a"), seq("b"), seq("c"))
     plan, left = tick(s, failed={"b": "out of memory", "not-in-plan": "ignored"})
     assert left == ["b"]
     assert "b" not in s.running
@@ -236,7 +236,7 @@ def test_a_failed_request_leaves_with_its_error_and_the_rest_advance():
 
 
 def test_failed_request_state():
-    s = scheduler(16, 16, seq("a", steps=3))
+    s = batcher(16, 16, seq("a", steps=3))
     tick(s)
     plan = s.schedule()
     (a,) = s.update(plan, StepOutput(failed={"a": "nan in latents"}))
@@ -244,7 +244,7 @@ def test_failed_request_state():
 
 
 def test_abort_of_a_waiting_request():
-    s = scheduler(1, 16, seq("a", steps=2), seq("b"))
+    s = batcher(1, 16, seq("a", steps=2), seq("b"))
     plan = s.schedule()
     b = s.abort("b")
     assert b.request_id == "b" and b.status is Status.CANCELLED and b.error is None
@@ -255,7 +255,7 @@ def test_abort_of_a_waiting_request():
 
 
 def test_abort_of_a_running_request_with_a_status_and_error():
-    s = scheduler(16, 16, seq("a"), seq("b"))
+    s = batcher(16, 16, seq("a"), seq("b"))
     tick(s)
     a = s.abort("a", Status.FAILED, "client went away")
     assert (a.status, a.error, a.steps_done) == (Status.FAILED, "client went away", 1)
@@ -264,14 +264,14 @@ def test_abort_of_a_running_request_with_a_status_and_error():
 
 
 def test_abort_of_an_unknown_or_finished_request_returns_none():
-    s = scheduler(16, 16, seq("a", steps=1))
+    s = batcher(16, 16, seq("a", steps=1))
     assert s.abort("nobody") is None
     tick(s)
     assert s.abort("a") is None
 
 
 def test_update_ignores_requests_aborted_while_their_step_ran():
-    s = scheduler(16, 16, seq("a", steps=1), seq("b", steps=1), seq("c", steps=2))
+    s = batcher(16, 16, seq("a", steps=1), seq("b", steps=1), seq("c", steps=2))
     plan = s.schedule()
     assert set(plan.request_ids) == {"a", "b", "c"}
     a = s.abort("a")
@@ -293,8 +293,8 @@ def _staleness(q: SeqState):
 @pytest.mark.parametrize("seed", [0, 1, 2])
 def test_randomized_simulation_keeps_every_invariant(seed):
     rng = random.Random(seed)
-    config = SchedulerConfig(max_running=rng.choice([1, 3, 6]), max_batch_rows=rng.choice([2, 5, 8]))
-    s = StepScheduler(config)
+    config = BatcherConfig(max_running=rng.choice([1, 3, 6]), max_batch_rows=rng.choice([2, 5, 8]))
+    s = StepBatcher(config)
     shapes = [A, B, C]
     requests: dict[str, SeqState] = {}
     expected_waiting: list[str] = []  # our own model of the FCFS queue
@@ -384,7 +384,7 @@ def test_randomized_simulation_keeps_every_invariant(seed):
 
 
 def test_time_held_at_the_lora_bound_is_measured_from_the_plans_now():
-    s = scheduler(16, 16, seq("a", steps=4), seq("b", steps=4))
+    s = batcher(16, 16, seq("a", steps=4), seq("b", steps=4))
     a = s.find("a")
     a.wait_from_step = 1  # its LoRAs are loading: it may run step 0 only
     for now, expected in ((1.0, {"a", "b"}), (2.0, {"b"}), (3.0, {"b"})):  # held from the plan at 2.0
