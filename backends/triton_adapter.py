@@ -222,12 +222,18 @@ INVALID_MARK = "[invalid input] "
 MARKS_PARAMETER = "easel_marks"
 
 
+def request_parameters(request) -> dict:
+    """A request's parameters ({} where they cannot be read)."""
+    try:
+        given = json.loads(request.parameters() or "{}")
+    except (ValueError, AttributeError):
+        return {}
+    return given if isinstance(given, dict) else {}
+
+
 def wants_marks(request) -> bool:
     """Whether the request's caller asked for marked errors (MARKS_PARAMETER)."""
-    try:
-        return bool(json.loads(request.parameters() or "{}").get(MARKS_PARAMETER))
-    except (ValueError, AttributeError):
-        return False
+    return bool(request_parameters(request).get(MARKS_PARAMETER))
 
 
 # The internal models (preprocess, text encoder, denoisers, ControlNet service, VAE decoder) serve
@@ -248,10 +254,7 @@ def check_caller(request, model: str) -> None:
     key = os.environ.get(INTERNAL_KEY_ENV)
     if not key:
         return
-    try:
-        given = json.loads(request.parameters() or "{}").get(INTERNAL_KEY_PARAMETER)
-    except (ValueError, AttributeError):
-        given = None
+    given = request_parameters(request).get(INTERNAL_KEY_PARAMETER)
     if not isinstance(given, str) or not hmac.compare_digest(given.encode(), key.encode()):
         raise UnknownAdapter("model", f"{model} is a part of Easel's pipeline, not a model to call: "
                                       "call easel or easel_stream")

@@ -242,7 +242,7 @@ def _session_runs(results: dict) -> list[str]:
     if not runs:
         return []
     levels = sorted({int(c) for r in runs for c in r.get("throughput_img_s", {})})
-    lines = ["", "## Runs of this session", "", results.get("session_note", ""), "",
+    lines = ["", "## Runs", "", results.get("session_note", ""), "",
              "| run | system | machine | p50 s (min-max) | " + " | ".join(f"c={c} img/s" for c in levels) + " |",
              "| --- | --- | --- | --- |" + " --- |" * len(levels)]
     for r in runs:

@@ -14,6 +14,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+from clients.triton_install import DEFAULT_CUDA_POOL_MIB
+
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
 PROMPT = "a yellow car"
 SCHEDULER = "euler"  # Easel's name for diffusers' EulerDiscreteScheduler, the model's own
@@ -69,8 +71,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--ready-timeout", type=float, default=900.0, help="seconds a server start may take")
     p.add_argument("--controlnet-row-split", action="store_true",
                    help="export --controlnet-row-split (a guided request's ControlNets called per row)")
-    p.add_argument("--cuda-pool-mib", type=int, default=None,
-                   help="Triton's CUDA memory pool per GPU (default: easel serve's)")
+    p.add_argument("--cuda-pool-mib", type=int, default=DEFAULT_CUDA_POOL_MIB,
+                   help="Triton's CUDA memory pool per GPU (default: easel serve's, %(default)s)")
     p.add_argument("--shared-compile-cache", action="store_true",
                    help="every configuration's server compiles into one cache in --work and starts once: a later "
                         "configuration (or run) loads what an earlier one compiled. No cold-start figures then")
@@ -141,7 +143,7 @@ class Setup:
     ready_timeout: float
     smoke: bool
     shared_compile_cache: bool = False
-    cuda_pool_mib: int | None = None  # None: TritonServer's default
+    cuda_pool_mib: int = DEFAULT_CUDA_POOL_MIB  # TritonServer.cuda_pool_mib
     controlnet_row_split: bool = False
     vae_dtype: str | None = None
     fp8: tuple[str, ...] = ()

@@ -238,8 +238,8 @@ def _folder_bytes(root: Path, name: str) -> int:
 def start_server(repo: Path, setup: Setup):
     from clients.serve import TritonServer
 
-    pool = {} if setup.cuda_pool_mib is None else {"cuda_pool_mib": setup.cuda_pool_mib}
-    server = TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=setup.ready_timeout, **pool)
+    server = TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=setup.ready_timeout,
+                          cuda_pool_mib=setup.cuda_pool_mib)
     start = time.perf_counter()
     server.start()
     try:

@@ -27,7 +27,7 @@ prediction and the engine's first step of the request ran concurrently on the sa
 every FP8 variant's noise then measured 127-131% away, while FP8's own error is 3.0-3.3%
 (bench/results/2026-11-23i-h200/notes.md).
 
-The first probe (session 7) scaled each call's activations row by row: 36.2 against 32.5 ms, a
+An earlier probe scaled each call's activations row by row: 36.2 against 32.5 ms, a
 reduction pass per product that cost more than FP8 saved.
 
     python3 -m bench.fp8_probe --work /tmp/easel-micro --out $OUT/fp8_probe.json

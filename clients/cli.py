@@ -16,6 +16,8 @@ import time
 from pathlib import Path
 from typing import Sequence
 
+from clients.triton_install import DEFAULT_CUDA_POOL_MIB
+
 OUTPUT_FORMATS = ("png", "jpeg", "webp")
 EXTENSION_FORMATS = {".png": "png", ".jpg": "jpeg", ".jpeg": "jpeg", ".webp": "webp"}
 
@@ -73,10 +75,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-restarts", type=int, metavar="N",
                    help="stop once tritonserver (or the OpenAI API) needed N restarts within ten "
                         "minutes (default: keep restarting, waiting up to 60 s between restarts)")
-    s.add_argument("--cuda-pool-mib", type=int, default=None, metavar="MIB",
+    s.add_argument("--cuda-pool-mib", type=int, default=DEFAULT_CUDA_POOL_MIB, metavar="MIB",
                    help="Triton's CUDA memory pool on each GPU the repository uses, where "
                         "ControlNet residuals cross between models without allocations "
-                        "(default: 2048; 0: tritonserver's own 64 MiB)")
+                        "(default: %(default)s; 0: tritonserver's own 64 MiB)")
     s.add_argument("--no-grpc-front", action="store_true",
                    help="let clients reach tritonserver's gRPC port directly instead of through "
                         "Easel's front, which drops the triton_grpc_error header (it crashes "
@@ -252,7 +254,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
     if args.max_restarts is not None and args.max_restarts < 0:
         print("easel serve: --max-restarts must be 0 or more", file=sys.stderr)
         return 2
-    if args.cuda_pool_mib is not None and args.cuda_pool_mib < 0:
+    if args.cuda_pool_mib < 0:
         print("easel serve: --cuda-pool-mib must be 0 or more", file=sys.stderr)
         return 2
     try:
@@ -263,8 +265,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
                      timeout=args.timeout, pid_file=args.pid_file,
                      drain_timeout=args.drain_timeout, admin_key=admin_key,
                      openai_port=args.openai_port, max_restarts=args.max_restarts,
-                     grpc_front=not args.no_grpc_front,
-                     **({} if args.cuda_pool_mib is None else {"cuda_pool_mib": args.cuda_pool_mib}))
+                     grpc_front=not args.no_grpc_front, cuda_pool_mib=args.cuda_pool_mib)
     except (FileNotFoundError, ValueError) as e:
         print(f"easel serve: {e}", file=sys.stderr)
         return 1

@@ -27,8 +27,8 @@ from typing import TextIO
 from backends.core.request.contract import INTERNAL_KEY_ENV, INTERNAL_KEY_PARAMETER
 from backends.load_board import PREFIX as LOAD_BOARD_PREFIX
 from clients import procs, server_preload
-from clients.triton_install import (assemble_backend_dir, find_triton, link_own_libpython, project_root, repository_gpus,
-                                     required_backends, server_env)
+from clients.triton_install import (DEFAULT_CUDA_POOL_MIB, assemble_backend_dir, find_triton, link_own_libpython,
+                                     project_root, repository_gpus, required_backends, server_env)
 
 log = logging.getLogger(__name__)
 
@@ -51,12 +51,6 @@ DRAIN_FLAG_ENV = "EASEL_DRAIN_FLAG"
 # What marks a model clients call (and the drain switches): `easel` and `easel_stream` (their backend).
 PUBLIC_CONFIG = r'^\s*backend\s*:\s*"easel_pipeline"'
 DRAIN_FLAG_FILE = "draining"
-# Triton's CUDA memory pool on each GPU the repository names (tritonserver's default: 64 MiB).
-# A BLS call's GPU outputs (a ControlNet's residuals: ~100 MiB at 1024 px with guidance) are
-# allocated there; beyond it each output is a cudaMalloc, a CUDA IPC handle opened by both
-# stubs and a cudaFree that waits for everything queued on the GPU, the UNet's half included
-# (bench/bls_transport.py).
-DEFAULT_CUDA_POOL_MIB = 2048
 
 
 class ServerStartError(RuntimeError):

@@ -100,6 +100,14 @@ def required_backends(repo: Path) -> set[str]:
     return names
 
 
+# Triton's CUDA memory pool on each GPU the repository names (tritonserver's default: 64 MiB).
+# A BLS call's GPU outputs (a ControlNet's residuals: ~100 MiB at 1024 px with guidance) are
+# allocated there; beyond it each output is a cudaMalloc, a CUDA IPC handle opened by both
+# stubs and a cudaFree that waits for everything queued on the GPU, the UNet's half included
+# (bench/bls_transport.py).
+DEFAULT_CUDA_POOL_MIB = 2048
+
+
 def repository_gpus(repo: Path) -> list[int]:
     """The GPU ids that the repository's instance groups name (read as required_backends reads
     backends: a config Triton will refuse is Triton's to report)."""

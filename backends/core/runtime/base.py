@@ -100,11 +100,12 @@ class StepBatch:
         return self.sample.shape[0]
 
     def map_rows(self, fn, **changes) -> "StepBatch":
-        """This batch with `fn` applied to each of its per-row tensors that is set (ROW_TENSORS)
-        and `changes` replacing any field; every other field, one added later included, carried
-        over as it is. The one way runtimes derive a batch from another."""
-        tensors = {name: fn(getattr(self, name)) for name in ROW_TENSORS if getattr(self, name) is not None}
-        return replace(self, **{**tensors, **changes})
+        """This batch with `changes` replacing fields and `fn` applied to each other per-row tensor
+        that is set (ROW_TENSORS); every other field, one added later included, carried over as it
+        is. The one way runtimes derive a batch from another."""
+        tensors = {name: fn(getattr(self, name)) for name in ROW_TENSORS
+                   if name not in changes and getattr(self, name) is not None}
+        return replace(self, **tensors, **changes)
 
     @property
     def latent_shape(self) -> tuple[int, int]:
