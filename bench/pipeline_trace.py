@@ -7,7 +7,7 @@ calls, tensor copies through shared memory, the stubs' message queues) and the a
 
 Why statistics and not Triton's request traces: `easel` calls the models by BLS from a worker
 thread, after its `execute` returned, and those calls cannot be traced under the client's request
-in Triton 2.51 (backends/bls_pipeline.py says why), so a trace holds the `easel` request alone.
+in Triton 2.51 (backends/triton/bls_pipeline.py says why), so a trace holds the `easel` request alone.
 The statistics count every request a model ran, BLS ones included; the server runs only these
 requests while they are taken. The denoiser is decoupled: its statistics cover `execute` (the
 enqueue) only, hence its own account.

@@ -19,11 +19,11 @@ a refusing kind beside `stream` or `cancel` killed the Python stub of `easel_str
 healthy") after 15-230 s in 11 of 12 runs; refusing kinds alone, streams beside cancels, and the
 unary kinds ran 240-300 s clean. The cause, found from core dumps: Triton 2.51's Python backend
 builds a BLS response's numpy arrays without the GIL (fixed upstream by python_backend PR #394).
-Since the denoiser's step responses carry no tensor (backends/preview_board.py), refusals beside
+Since the denoiser's step responses carry no tensor (backends/core/serving/preview_board.py), refusals beside
 streams ran 240 s clean in 3 of 3 runs; mixes with `cancel` still died in 3 of 4
 (bench/results/2026-11-24b-cpu/notes.md). The second trigger: a response sender's
 `is_cancelled()`, asked by the pipeline's watcher thread while execute ran. With no such call
-overlapping an execute (backends/triton_adapter.EXECUTE_LOCK), all four kinds ran 240 s clean in
+overlapping an execute (backends/triton/adapter.EXECUTE_LOCK), all four kinds ran 240 s clean in
 7 of 7 runs, against 3 of 9 before (bench/results/2026-11-24c-cpu/notes.md).
 
     python3 -m bench.stream_stress --work /tmp/easel-stress --out stress.json --mix refused,cancel --seconds 240

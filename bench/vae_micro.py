@@ -75,7 +75,7 @@ def main() -> None:
     from PIL import Image
 
     from backends.core.runtime.placement import Placement
-    from backends.core.stages.image_encoding import PNG_COMPRESS_LEVEL
+    from backends.core.stages.image_files import PNG_COMPRESS_LEVEL
     from backends.core.stages.image_metrics import psnr
     from backends.core.stages.png_encoding import encode_png
     from backends.core.stages.vae_decoding import LatentDecoder

@@ -19,7 +19,7 @@ DEFAULT_PORTS = {"http": 8000, "grpc": 8001}
 STREAM_MODEL = "easel_stream"
 # A gRPC stream's error reaches the client as a message alone, so `easel_stream` heads it with its
 # status ("INVALID_ARGUMENT: width: ..."). Not Triton's header `triton_grpc_error`, which ends the
-# stream with the status: in Triton 2.51 it crashes tritonserver (backends/triton_adapter.py).
+# stream with the status: in Triton 2.51 it crashes tritonserver (backends/triton/adapter.py).
 STREAM_STATUS = re.compile(r"(INVALID_ARGUMENT|NOT_FOUND|UNAVAILABLE|CANCELLED|INTERNAL): (.*)", re.DOTALL)
 # Diffusion on CPU can take minutes; tritonclient's HTTP default (60 s) would cut it off.
 DEFAULT_TIMEOUT_S = 3600.0
@@ -208,7 +208,7 @@ class EaselClient:
         outputs = self._outputs()
         # The deadline goes to the server too, as the request's timeout (microseconds): that is
         # what stops the denoiser at its next step once the deadline passes, also over HTTP, which
-        # has no cancel (backends/bls_pipeline.py says more).
+        # has no cancel (backends/triton/bls_pipeline.py says more).
         kwargs: dict[str, Any] = {"timeout": int((timeout_s or self.timeout_s) * 1e6)}
         client = self._client
         if self.protocol == "grpc":
@@ -232,7 +232,7 @@ class EaselClient:
         """`request` sent without waiting (gRPC): `on_done` gets its GenerateResult, or an
         EaselError, on one of tritonclient's threads. Returns a function that cancels the request:
         the server drops it at its next denoising step (`easel` sees a gRPC cancel,
-        backends/bls_pipeline.py), and `on_done` gets the cancel's error."""
+        backends/triton/bls_pipeline.py), and `on_done` gets the cancel's error."""
         if self.protocol != "grpc":
             raise EaselError("a request that can be cancelled needs --protocol grpc (HTTP has no cancel)")
         timeout_s = timeout_s or self.timeout_s

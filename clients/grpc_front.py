@@ -10,7 +10,7 @@ with their status in band, clients/client.STREAM_STATUS). Stripping it needs som
 of Triton, and a deployment may have no proxy, so `easel serve` puts this one there.
 
 Each call keeps its method, messages, deadline and the rest of its headers; a client's cancel
-cancels the call to Triton (which stops the denoiser: backends/bls_pipeline.py), and Triton's
+cancels the call to Triton (which stops the denoiser: backends/triton/bls_pipeline.py), and Triton's
 status and trailing headers come back as they were. The messages are not parsed.
 """
 

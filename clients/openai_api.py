@@ -31,7 +31,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backends.core.request.adapter_inputs import validate_request
-from backends.core.request.params import InvalidInput, Limits, strict_from_dict
+from backends.core.request.params import InvalidInput, Limits
+from backends.core.typed_config import strict_from_dict
 from clients.client import EaselClient, EaselError, GenerateRequest, GenerateResult
 
 log = logging.getLogger(__name__)

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TextIO
 
 from backends.core.request.contract import INTERNAL_KEY_ENV, INTERNAL_KEY_PARAMETER
-from backends.load_board import PREFIX as LOAD_BOARD_PREFIX
+from backends.core.serving.load_board import PREFIX as LOAD_BOARD_PREFIX
 from clients import procs, server_preload
 from clients.triton_install import (DEFAULT_CUDA_POOL_MIB, assemble_backend_dir, find_triton, link_own_libpython,
                                      project_root, repository_gpus, required_backends, server_env)
@@ -137,7 +137,7 @@ class TritonServer:
     die_with_parent: bool | None = None  # None: unless detached (procs.child_preexec)
     proc: subprocess.Popen | None = field(default=None, init=False, repr=False)
     region_prefix: str | None = field(default=None, init=False, repr=False)
-    # What opens the internal models to a call (backends/triton_adapter.check_caller), new at each start.
+    # What opens the internal models to a call (backends/triton/adapter.check_caller), new at each start.
     internal_key: str | None = field(default=None, init=False, repr=False)
     _stubs: dict[int, str] = field(default_factory=dict, init=False, repr=False)
     _guard: procs.RegionGuard | None = field(default=None, init=False, repr=False)
@@ -397,7 +397,7 @@ class TritonServer:
             removed = procs.remove_regions(self.region_prefix)
             if removed:
                 log.info("removed %d shared-memory regions the server left", len(removed))
-        # and the denoisers' load board (backends/load_board.py), named by the server's pid
+        # and the denoisers' load board (backends/core/serving/load_board.py), named by the server's pid
         procs.remove_regions(f"{LOAD_BOARD_PREFIX}{self.proc.pid}-")
 
     def dead_stubs(self) -> dict[int, str]:
@@ -419,7 +419,7 @@ class TritonServer:
 
     def public_models(self) -> list[str]:
         """The entry points clients call: `easel` and `easel_stream`, which run the pipeline by BLS
-        (backends/bls_pipeline.py)."""
+        (backends/triton/bls_pipeline.py)."""
         return sorted(cfg.parent.name for cfg in Path(self.repo).glob("*/config.pbtxt")
                       if re.search(PUBLIC_CONFIG, cfg.read_text(errors="replace"), re.M))
 

@@ -128,6 +128,12 @@ def _link_or_copy(src: str, dst: str) -> str:
     return dst
 
 
+# What every model.py imports first (backends/triton/bootstrap.py says why), copied beside each
+# one: the stub's sys.path holds the model's folder but neither PYTHONPATH nor the checkout.
+BOOTSTRAP = Path("backends/triton/bootstrap.py")
+BOOTSTRAP_MODULE = "easel_bootstrap.py"
+
+
 def assemble_backend_dir(dest: Path, triton: TritonInstall, project: Path,
                          needed: set[str] = frozenset()) -> Path:
     """Fill `dest` with python/ (lib, utils, stub), copies of backends/easel_*,
@@ -142,10 +148,13 @@ def assemble_backend_dir(dest: Path, triton: TritonInstall, project: Path,
         os.chmod(py / STUB, 0o755)
 
     ignore = shutil.ignore_patterns("__pycache__", "*.pyc")
+    bootstrap = project / BOOTSTRAP
     for src in sorted((project / "backends").glob("easel_*")):
         if (src / "model.py").is_file():
             # Real copies so later edits in the checkout never affect a running server.
             shutil.copytree(src, dest / src.name, ignore=ignore, dirs_exist_ok=True)
+            if bootstrap.is_file():  # beside model.py: the stub puts only that folder on sys.path
+                shutil.copy2(bootstrap, dest / src.name / BOOTSTRAP_MODULE)
     for name in sorted(needed):
         if name == "python" or (dest / name).exists():
             continue

@@ -304,13 +304,13 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
          "attention_dtype": options.resolved_vae_attention,
          **({"vae_dtype": options.vae_dtype} if options.vae_dtype else {})}))
 
-    # CPU-only: validation. (The image file is encoded by the pipeline itself: backends/bls_pipeline.py.)
+    # CPU-only: validation. (The image file is encoded by the pipeline itself: backends/triton/bls_pipeline.py.)
     cpu = Instances("KIND_CPU", 1)
     model = _fresh_model_dir(repo, "preprocess")
     (model / "config.pbtxt").write_text(python_model(
         "preprocess", "easel_preprocess", contract.PREPROCESS, cpu, {"limits": limits.to_json()}))
 
-    # The public models: the pipeline by BLS (backends/bls_pipeline.py), unary and streaming. One
+    # The public models: the pipeline by BLS (backends/triton/bls_pipeline.py), unary and streaming. One
     # instance each runs many requests at once (a thread waits on the models for each), bounded
     # like the denoisers' own queues so that a flood is refused at once. Each has two versions:
     # version 1 serves; `easel serve` drains by switching to version 2 (triton_config.SERVING_VERSION).

@@ -6,33 +6,23 @@ the most used ControlNets resident (backends/core/adapters/controlnet_cache.py) 
 misses, load time and its resident set as Prometheus metrics on Triton's metrics port.
 """
 
-import os
-import site
-import sys
+import easel_bootstrap  # noqa: F401  (first: backends/triton/bootstrap.py, copied beside this file)
 
-# The stub's interpreter ignores PYTHONPATH: add its folders (with their .pth files) ahead of
-# the interpreter's own site-packages, as PYTHONPATH would, so the deployment's numpy wins.
-_own = list(sys.path)
-for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-    if _p:
-        site.addsitedir(_p)
-sys.path[:] = [p for p in sys.path if p not in _own] + _own
+import time
 
-import time  # noqa: E402
+import torch
+import triton_python_backend_utils as pb_utils
+from diffusers import ControlNetModel  # noqa: F401  (pay the import when loading, not at the first miss)
 
-import torch  # noqa: E402
-import triton_python_backend_utils as pb_utils  # noqa: E402
-from diffusers import ControlNetModel  # noqa: E402, F401  (pay the import when loading, not at the first miss)
-
-from backends.bls_controlnets import sync_current_stream, to_triton  # noqa: E402
-from backends.core.adapters.store import AdapterStore  # noqa: E402
-from backends.core.adapters.controlnet import ControlCall, check_call, run_controlnet  # noqa: E402
-from backends.core.adapters.controlnet_graphs import ControlNetGraphs  # noqa: E402
-from backends.core.adapters.control_sessions import CONSTANTS, MAX_KEY_CHARS, ControlSessions  # noqa: E402
-from backends.core.request.params import InvalidInput, Limits, UnknownAdapter  # noqa: E402
-from backends.core.runtime.compile_cache import use_compile_cache  # noqa: E402
-from backends.core.adapters.controlnet_cache import ControlNetCache  # noqa: E402
-from backends.triton_adapter import (  # noqa: E402
+from backends.triton.bls_controlnets import sync_current_stream, to_triton
+from backends.core.adapters.store import AdapterStore
+from backends.core.adapters.controlnet import ControlCall, check_call, run_controlnet
+from backends.core.adapters.controlnet_graphs import ControlNetGraphs
+from backends.core.adapters.control_sessions import CONSTANTS, MAX_KEY_CHARS, ControlSessions
+from backends.core.request.params import InvalidInput, Limits, UnknownAdapter
+from backends.core.runtime.compile_cache import use_compile_cache
+from backends.core.adapters.controlnet_cache import ControlNetCache
+from backends.triton.adapter import (
     Metrics, adapter_store_folder, drop_metrics, each_request, limits, parameters, placement, scalar, setup_stub,
     version_folder)
 
@@ -165,6 +155,6 @@ class TritonPythonModel:
         if any(t is not None for t in given) or key is None:
             raise InvalidInput("image", f"give {', '.join(CONSTANTS)} together, or name a session that was given them")
         kept = self.sessions.get(key)
-        if kept is None:  # the caller sends them again (backends/bls_controlnets.py)
+        if kept is None:  # the caller sends them again (backends/triton/bls_controlnets.py)
             raise UnknownAdapter("session", f"this instance holds no session {key!r}")
         return kept, None

@@ -6,42 +6,33 @@ never waits on a response. finalize: stop the loop (failing what is left), then 
 sender, in that order.
 """
 
-import os
-import site
+import easel_bootstrap  # noqa: F401  (first: backends/triton/bootstrap.py, copied beside this file)
+
+import logging
 import sys
+import queue
+import threading
+import time
+import uuid
 
-# The stub's interpreter ignores PYTHONPATH: add its folders (with their .pth files) ahead of
-# the interpreter's own site-packages, as PYTHONPATH would, so the deployment's numpy wins.
-_own = list(sys.path)
-for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-    if _p:
-        site.addsitedir(_p)
-sys.path[:] = [p for p in sys.path if p not in _own] + _own
+import numpy as np
+import triton_python_backend_utils as pb_utils
 
-import logging  # noqa: E402
-import queue  # noqa: E402
-import threading  # noqa: E402
-import time  # noqa: E402
-import uuid  # noqa: E402
-
-import numpy as np  # noqa: E402
-import triton_python_backend_utils as pb_utils  # noqa: E402
-
-from backends.bls_controlnets import BlsControlNets  # noqa: E402
-from backends.denoiser_metrics import ControlNetCallMetrics, LoraMetrics, RequestMetrics, RuntimeMetrics  # noqa: E402
-from backends.denoiser_metrics import StepMetrics  # noqa: E402
-from backends.load_board import LoadWriter  # noqa: E402
-from backends.preview_board import MAX_KEY_LENGTH, valid_key, write_preview  # noqa: E402
-from backends.core.adapters.controlnet import ControlInput  # noqa: E402
-from backends.core.engine.builder import build_denoiser  # noqa: E402
-from backends.core.engine.config import DenoiserConfig  # noqa: E402
-from backends.core.engine.denoiser import DenoiseJob, StepProgress  # noqa: E402
-from backends.core.engine.loop import DenoiseResult, failure_kind  # noqa: E402
-from backends.core.request.adapter_inputs import decode_control_image  # noqa: E402
-from backends.core.request.contract import DENOISE_JOB, WIRE_DTYPES, controlnet_decl  # noqa: E402
-from backends.core.request.params import InvalidInput, UnknownAdapter  # noqa: E402
-from backends.core.runtime.unet_split import num_skips  # noqa: E402
-from backends.triton_adapter import (  # noqa: E402
+from backends.triton.bls_controlnets import BlsControlNets
+from backends.triton.metrics import ControlNetCallMetrics, LoraMetrics, RequestMetrics, RuntimeMetrics
+from backends.triton.metrics import StepMetrics
+from backends.core.serving.load_board import LoadWriter
+from backends.core.serving.preview_board import MAX_KEY_LENGTH, valid_key, write_preview
+from backends.core.adapters.controlnet import ControlInput
+from backends.core.engine.builder import build_denoiser
+from backends.core.engine.config import DenoiserConfig
+from backends.core.engine.denoiser import DenoiseJob, StepProgress
+from backends.core.engine.loop import DenoiseResult, failure_kind
+from backends.core.request.adapter_inputs import decode_control_image
+from backends.core.request.contract import DENOISE_JOB, WIRE_DTYPES, controlnet_decl
+from backends.core.request.params import InvalidInput, UnknownAdapter
+from backends.core.runtime.unet_split import num_skips
+from backends.triton.adapter import (
     adapter_store_folder, artifact_folder, check_caller, code_of, drop_metrics, error, failure, holds_execute_lock,
     input_array, is_cancelled, mark, parameters, params_tensor, placement, public_message, read_params, scalar, setup_stub)
 
@@ -73,7 +64,7 @@ class TritonPythonModel:
         self.limits = config.limits
         self.max_pending = config.max_running + config.max_queue
         self.pending: dict[str, tuple] = {}  # request id -> (sender, params)
-        # Requests of the public models (backends/bls_pipeline.py): their cancel flags by the caller's
+        # Requests of the public models (backends/triton/bls_pipeline.py): their cancel flags by the caller's
         # key, and each one's key.
         self.cancels: dict[str, threading.Event] = {}
         self.keys: dict[str, str] = {}  # request id -> cancel key
@@ -89,7 +80,7 @@ class TritonPythonModel:
             decl = controlnet_decl(num_skips(engine.unet), WIRE_DTYPES[where.dtype])
             return BlsControlNets(config.controlnet_model, decl, store, instances=config.controlnet_instances)
 
-        # Its outstanding work, for the public models' routers (backends/load_board.py).
+        # Its outstanding work, for the public models' routers (backends/core/serving/load_board.py).
         self.load_board = LoadWriter(self.name)
         self.denoiser = build_denoiser(config, artifact_folder(args), where, self.outbox.put,
                                        store_folder=store_folder, controlnets=controlnets,
@@ -157,7 +148,7 @@ class TritonPythonModel:
     def _keyed(self, request, job: DenoiseJob, sender) -> None:
         """A request with a `cancel_key` can be cancelled by a later request naming the key; one
         with `preview_every` gets an empty response per step (the sender thread sends them, in
-        order with its result), its previews in the key's file (backends/preview_board.py). The
+        order with its result), its previews in the key's file (backends/core/serving/preview_board.py). The
         unary `easel` asks only for the first: per-step responses would cost it a BLS response
         each for nothing."""
         key = _scalar(request, "cancel_key")

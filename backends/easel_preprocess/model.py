@@ -1,27 +1,18 @@
 """Triton adapter: validates a public request into GenerateParams (CPU, no torch)."""
 
+import easel_bootstrap  # noqa: F401  (first: backends/triton/bootstrap.py, copied beside this file)
+
+import logging
 import os
-import site
-import sys
+import time
 
-# The stub's interpreter ignores PYTHONPATH: add its folders (with their .pth files) ahead of
-# the interpreter's own site-packages, as PYTHONPATH would, so the deployment's numpy wins.
-_own = list(sys.path)
-for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-    if _p:
-        site.addsitedir(_p)
-sys.path[:] = [p for p in sys.path if p not in _own] + _own
+import numpy as np
+import triton_python_backend_utils as pb_utils
 
-import logging  # noqa: E402
-import time  # noqa: E402
-
-import numpy as np  # noqa: E402
-import triton_python_backend_utils as pb_utils  # noqa: E402
-
-from backends.core.request.contract import PREPROCESS  # noqa: E402
-from backends.core.request.adapter_inputs import validate_request  # noqa: E402
-from backends.core.request.params import Limits  # noqa: E402
-from backends.triton_adapter import (each_request, error, mark, parameters, params_tensor, read_inputs,  # noqa: E402
+from backends.core.request.contract import PREPROCESS
+from backends.core.request.adapter_inputs import validate_request
+from backends.core.request.params import Limits
+from backends.triton.adapter import (each_request, error, mark, parameters, params_tensor, read_inputs,
                                      scalar, setup_stub, wants_marks)
 
 log = logging.getLogger("backends.preprocess")

@@ -1,26 +1,16 @@
 """Triton adapter: prompt -> SDXL text embeddings (both CLIP encoders)."""
 
-import os
-import site
-import sys
+import easel_bootstrap  # noqa: F401  (first: backends/triton/bootstrap.py, copied beside this file)
 
-# The stub's interpreter ignores PYTHONPATH: add its folders (with their .pth files) ahead of
-# the interpreter's own site-packages, as PYTHONPATH would, so the deployment's numpy wins.
-_own = list(sys.path)
-for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-    if _p:
-        site.addsitedir(_p)
-sys.path[:] = [p for p in sys.path if p not in _own] + _own
+import logging
+import time
 
-import logging  # noqa: E402
-import time  # noqa: E402
+import triton_python_backend_utils as pb_utils
 
-import triton_python_backend_utils as pb_utils  # noqa: E402
-
-from backends.core.adapters.store import AdapterStore  # noqa: E402
-from backends.core.request.params import validate  # noqa: E402
-from backends.core.stages.text_encoding import PromptEncoder  # noqa: E402
-from backends.triton_adapter import (  # noqa: E402
+from backends.core.adapters.store import AdapterStore
+from backends.core.request.params import validate
+from backends.core.stages.text_encoding import PromptEncoder
+from backends.triton.adapter import (
     limits,
     adapter_store_folder, artifact_folder, each_request, parameters, params_tensor, placement, read_params,
     setup_stub)

@@ -1,27 +1,17 @@
 """Triton adapter: final latents -> uint8 pixels (VAE decode)."""
 
-import os
-import site
-import sys
+import easel_bootstrap  # noqa: F401  (first: backends/triton/bootstrap.py, copied beside this file)
 
-# The stub's interpreter ignores PYTHONPATH: add its folders (with their .pth files) ahead of
-# the interpreter's own site-packages, as PYTHONPATH would, so the deployment's numpy wins.
-_own = list(sys.path)
-for _p in os.environ.get("PYTHONPATH", "").split(os.pathsep):
-    if _p:
-        site.addsitedir(_p)
-sys.path[:] = [p for p in sys.path if p not in _own] + _own
+import logging
+import time
 
-import logging  # noqa: E402
-import time  # noqa: E402
+import numpy as np
+import triton_python_backend_utils as pb_utils
 
-import numpy as np  # noqa: E402
-import triton_python_backend_utils as pb_utils  # noqa: E402
-
-from backends.core.request.params import InvalidInput  # noqa: E402
-from backends.core.runtime.placement import Placement  # noqa: E402
-from backends.core.stages.vae_decoding import LatentDecoder  # noqa: E402
-from backends.triton_adapter import (  # noqa: E402
+from backends.core.request.params import InvalidInput
+from backends.core.runtime.placement import Placement
+from backends.core.stages.vae_decoding import LatentDecoder
+from backends.triton.adapter import (
     limits,
     artifact_folder, each_request, parameters, params_tensor, placement, read_params, setup_stub)
 

@@ -97,7 +97,7 @@ def test_configs_declare_the_contract(cpu_repo):
 
 
 def test_public_models_run_the_pipeline_on_the_denoisers(repo):
-    """`easel` and `easel_stream` call the other models by BLS (backends/bls_pipeline.py): one
+    """`easel` and `easel_stream` call the other models by BLS (backends/triton/bls_pipeline.py): one
     instance each, which runs many requests at once, over every denoiser of the repository."""
     parsed = configs(repo)
     denoisers = sorted(name for name in parsed if name.startswith("denoiser"))

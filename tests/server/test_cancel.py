@@ -13,7 +13,7 @@ from tritonclient.utils import InferenceServerException
 from clients.client import EaselClient, EaselError, GenerateRequest, build_inputs
 from tests.server.conftest import metric_total, metric_values
 
-# backends/denoiser_metrics.StepMetrics.PERIOD_S (that module needs Triton's stub to import)
+# backends/triton/metrics.StepMetrics.PERIOD_S (that module needs Triton's stub to import)
 STEP_METRICS_PERIOD_S = 0.5
 LONG = dict(seed=1, steps=200, width=256, height=256)  # several seconds of CPU denoising (3.6 s on 2 cores)
 

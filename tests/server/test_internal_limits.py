@@ -90,7 +90,7 @@ def test_internal_models_refuse_params_out_of_limits(server, model, overrides, e
 
 
 def assert_invalid(model, err):
-    if model == "denoiser":  # a stream's error carries no status: the denoiser's mark says it (triton_adapter.MARKS)
+    if model == "denoiser":  # a stream's error carries no status: the denoiser's mark says it (triton/adapter.MARKS)
         assert err.message().startswith("[invalid input] "), err.message()
     else:
         assert err.status() == "StatusCode.INVALID_ARGUMENT", (err.status(), err.message())
@@ -173,7 +173,7 @@ def test_controlnet_service_checks_its_own_sizes(server, call, expected):
 
 
 def test_a_cancel_key_never_names_a_file(server):
-    """Previews go through a file named by the request's cancel_key (backends/preview_board.py):
+    """Previews go through a file named by the request's cancel_key (backends/core/serving/preview_board.py):
     a key that could name a path is refused, naming the field and what a key may hold."""
     extra = [_tensor("cancel_key", np.array([b"../../etc/x"], dtype=np.object_), "BYTES"),
              _tensor("preview_every", np.array([1], np.int32), "INT32")]

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from backends.load_board import PREFIX as LOAD_BOARD_PREFIX
+from backends.core.serving.load_board import PREFIX as LOAD_BOARD_PREFIX
 from clients import procs
 from clients.client import EaselClient, EaselError
 from clients.serve import free_port, scrape_metrics

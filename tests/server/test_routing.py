@@ -1,5 +1,5 @@
 """`easel` sends each request to the denoiser with the least outstanding work
-(backends/denoiser_routing.py), on the two-denoiser server of conftest: while one denoiser runs a
+(backends/core/serving/routing.py), on the two-denoiser server of conftest: while one denoiser runs a
 long request, short ones go to the other (a round robin would send every second one to the busy
 denoiser, where it would wait on or slow the long one), also when the long one came through the
 other public model, `easel_stream`, whose requests only the denoisers' load board shows."""

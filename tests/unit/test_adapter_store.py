@@ -7,7 +7,8 @@ import os
 
 import pytest
 
-from backends.core.adapters.store import CONTROLNET_WEIGHTS, AdapterStore, check_name
+from backends.core.adapters.store import CONTROLNET_WEIGHTS, AdapterStore
+from backends.core.request.adapter_inputs import check_name
 from backends.core.request.params import InvalidInput
 
 

@@ -89,7 +89,7 @@ def test_unreachable_server_raises_easel_error():
 
 
 @pytest.mark.parametrize("message, status, expected", [
-    # easel_stream's own errors: the status heads the message (backends/triton_adapter.py)
+    # easel_stream's own errors: the status heads the message (backends/triton/adapter.py)
     ("INVALID_ARGUMENT: width: 60 is not a multiple of 8", None,
      ("width: 60 is not a multiple of 8", "StatusCode.INVALID_ARGUMENT")),
     ("NOT_FOUND: loras: unknown LoRA 'x'", None, ("loras: unknown LoRA 'x'", "StatusCode.NOT_FOUND")),

@@ -241,7 +241,7 @@ def test_lora_given_up_front_that_does_not_fit_is_refused_alone(engines, tiny_mo
 
 
 def test_the_loop_publishes_the_work_it_holds(engines):
-    """What the routers read (backends/load_board.py): the submitted requests' work at once, then
+    """What the routers read (backends/core/serving/load_board.py): the submitted requests' work at once, then
     less at every step (steps left x rows x pixels), and 0 when they are done."""
     engine, encoder = engines
     published: list[float] = []

@@ -1,4 +1,4 @@
-"""backends/denoiser_routing.py: requests go to the denoiser with the least outstanding work."""
+"""backends/core/serving/routing.py: requests go to the denoiser with the least outstanding work."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import threading
 import pytest
 
 from backends.core.request.params import Limits, validate
-from backends.denoiser_routing import LeastLoaded
+from backends.core.serving.routing import LeastLoaded
 
 
 def test_work_counts_steps_rows_and_pixels():

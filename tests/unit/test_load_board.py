@@ -1,4 +1,4 @@
-"""backends/load_board.py: what a denoiser publishes, every router reads; files of a server that
+"""backends/core/serving/load_board.py: what a denoiser publishes, every router reads; files of a server that
 is gone are removed; a half-written value is not taken."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import os
 import stat
 import struct
 
-from backends.load_board import PREFIX, LoadReader, LoadWriter, board_path
+from backends.core.serving.load_board import PREFIX, LoadReader, LoadWriter, board_path
 
 
 def test_a_router_reads_what_the_denoiser_published(tmp_path):

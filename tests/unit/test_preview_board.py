@@ -1,4 +1,4 @@
-"""Previews from a denoiser to easel_stream through /dev/shm files (backends/preview_board.py):
+"""Previews from a denoiser to easel_stream through /dev/shm files (backends/core/serving/preview_board.py):
 the caller makes the file, the denoiser writes into it only if it exists, a read mid-write
 takes nothing, keys cannot name a path."""
 
@@ -10,7 +10,7 @@ import uuid
 import numpy as np
 import pytest
 
-from backends.preview_board import PREFIX, PreviewFile, preview_path, remove_orphan_previews, write_preview
+from backends.core.serving.preview_board import PREFIX, PreviewFile, preview_path, remove_orphan_previews, write_preview
 
 
 def latents(seed: int) -> np.ndarray:

@@ -1,4 +1,4 @@
-from backends.stub_checks import numpy_refusal
+from backends.triton.stub_checks import numpy_refusal
 
 
 def test_numpy_1_is_accepted():

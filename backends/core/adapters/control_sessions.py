@@ -6,7 +6,7 @@ that only the sample and timestep (at 1024 px with guidance: 0.3 MB a call inste
 Each service instance keeps the sessions it has seen, least recently used evicted first within
 a byte budget; a call naming a session the instance does not hold (another instance took the
 first call, or it was evicted) fails with NOT_FOUND on the `session` field and the denoiser
-sends it again with the constants (backends/bls_controlnets.py).
+sends it again with the constants (backends/triton/bls_controlnets.py).
 """
 
 from __future__ import annotations

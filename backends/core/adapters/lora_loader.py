@@ -45,7 +45,7 @@ from backends.core.adapters.lora import LoraLayer, LoraPlan, LoraWeights, load_l
 from backends.core.adapters.store import StoreFile
 from backends.core.request.params import InvalidInput, UnknownAdapter, no_paths, shorten
 from backends.core.adapters.shm_tensors import Staging, read_tensors, write_tensors
-from backends.core.shm_files import SHM_DIR, remove_orphans, unlink
+from backends.core.serving.shm_files import SHM_DIR, remove_orphans, unlink
 
 log = logging.getLogger(__name__)
 

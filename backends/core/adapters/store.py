@@ -21,17 +21,16 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import re
 import stat
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from backends.core.request.params import InvalidInput, UnknownAdapter, shorten
+from backends.core.request.adapter_inputs import NAME_PATTERN, check_name
+from backends.core.request.params import UnknownAdapter
 
 log = logging.getLogger(__name__)
 
-NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 CONTROLNET_DIR = "controlnets"
 CONTROLNET_WEIGHTS = "diffusion_pytorch_model.safetensors"
 LORA_DIR = "loras"
@@ -135,13 +134,6 @@ class LoraEntry:
     path: Path  # for display and for tests' references only: the server reads `file`
     nbytes: int
     file: StoreFile | None = None
-
-
-def check_name(field_name: str, name: str) -> str:
-    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-        raise InvalidInput(field_name, f"{shorten(name)} is not a valid adapter name "
-                                       "(letters, digits, '_', '.', '-'; at most 128; no paths)")
-    return name
 
 
 def _inside(path: Path, root: Path) -> bool:

@@ -12,7 +12,8 @@ import json
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from backends.core.request.params import Limits, strict_from_dict
+from backends.core.request.params import Limits
+from backends.core.typed_config import strict_from_dict
 from backends.core.runtime.config import RuntimeConfig
 
 # sync: step t's residuals come from step t's latents (exact). pipelined: step t uses the

@@ -66,7 +66,7 @@ class DenoiseLoop:
         self.engine = engine
         self.on_done = on_done
         # The work still to do (GenerateParams.work of the steps left) of the requests submitted and
-        # not yet taken, and of those taken: published for the routers (backends/load_board.py).
+        # not yet taken, and of those taken: published for the routers (backends/core/serving/load_board.py).
         self.publish_load = publish_load
         self._inbox_work = 0.0
         self._held_work = 0.0

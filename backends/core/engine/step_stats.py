@@ -1,5 +1,5 @@
 """What the denoiser's loop measures about its steps, as plain numbers in a typed object: the
-Triton adapter (backends/denoiser_metrics.py) turns them into Prometheus metrics, and nothing here
+Triton adapter (backends/triton/metrics.py) turns them into Prometheus metrics, and nothing here
 imports Triton.
 
 Per step: the UNet rows of its batch, and its wall time split into the encoder half, the decoder

@@ -10,14 +10,24 @@ from __future__ import annotations
 import dataclasses
 import io
 import math
+import re
 from typing import Any, Mapping, Sequence
 
-from backends.core.adapters.store import check_name
 from backends.core.request.params import (ControlParams, GenerateParams, InvalidInput, Limits, LoraParams, shorten,
                                           validate)
 
 MAX_SCALE = 10.0
 MAX_LORA_SCALE = 4.0  # diffusers takes any; past this a LoRA only breaks the image
+
+# What an adapter may be called: a file or folder name in the store, never a path.
+NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
+
+
+def check_name(field_name: str, name: str) -> str:
+    if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
+        raise InvalidInput(field_name, f"{shorten(name)} is not a valid adapter name "
+                                       "(letters, digits, '_', '.', '-'; at most 128; no paths)")
+    return name
 
 
 def decode_control_image(data: bytes, max_pixels: int, index: int):

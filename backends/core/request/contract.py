@@ -77,15 +77,15 @@ TEXT_ENCODER = ModelDecl(inputs=(PARAMS,), outputs=(PARAMS, *EMBEDS))
 # request may come alone; the denoiser names a missing one itself), and optionally
 # - `cancel_key`, a key of the caller's: a later request that carries only `cancel` with that key
 #   stops the request at the next step boundary (Triton 2.51 cannot cancel a BLS request; the
-#   public models send it, backends/bls_pipeline.py says why). The denoiser answers such a request
+#   public models send it, backends/triton/bls_pipeline.py says why). The denoiser answers such a request
 #   first with an empty response once admitted: a BLS caller's exec returns only at a first
 #   response, and from then on a cancel finds the request. Its failure then comes as the final
-#   response's `error` (the marked message, triton_adapter.MARKS): Triton 2.51 never hands a BLS
+#   response's `error` (the marked message, triton/adapter.MARKS): Triton 2.51 never hands a BLS
 #   caller an error response that follows another response of the same request (measured: the
 #   caller's iterator waits forever);
 # - `preview_every`: one empty response per step before the final one (easel_stream); every
 #   `preview_every` steps (0: never) the latents go first into the file of the request's
-#   `cancel_key`, if its caller made one (backends/preview_board.py). Without it, only the final
+#   `cancel_key`, if its caller made one (backends/core/serving/preview_board.py). Without it, only the final
 #   one. No step response carries a tensor: Triton 2.51 loads a BLS response's tensors without
 #   the GIL, racing the caller's Python (preview_board says more), so the caller counts them.
 DENOISE_JOB = (PARAMS, *EMBEDS, CONTROL_IMAGES)
@@ -113,7 +113,7 @@ WIRE_DTYPES = {"fp32": "FP32", "fp16": "FP16", "bf16": "BF16"}
 
 # Internal models (everything but the public `easel` and `easel_stream`) take calls that carry the
 # server's per-start secret as this request parameter; the server's environment holds it
-# (backends/triton_adapter.check_caller).
+# (backends/triton/adapter.check_caller).
 INTERNAL_KEY_ENV = "EASEL_INTERNAL_KEY"
 INTERNAL_KEY_PARAMETER = "easel_internal_key"
 

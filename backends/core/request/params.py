@@ -13,7 +13,8 @@ import secrets
 from dataclasses import dataclass, field
 from typing import Any, Mapping
 
-from backends.core.stages.image_encoding import DEFAULT_FORMAT, FORMATS, check_quality
+from backends.core.request.output_format import DEFAULT_FORMAT, FORMATS, check_quality
+from backends.core.typed_config import strict_from_dict
 
 MAX_SEED = 2**63 - 1
 # Sampler names a request may choose; `default` is the model folder's own scheduler.
@@ -60,15 +61,6 @@ class Overloaded(RuntimeError):
 
 class Cancelled(RuntimeError):
     """The client cancelled or gave up (its deadline): the work stopped at a step boundary."""
-
-
-def strict_from_dict(cls, data: Mapping[str, Any], what: str):
-    """Build dataclass `cls` from `data`, refusing keys it does not declare."""
-    names = {f.name for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - names)
-    if unknown:
-        raise ValueError(f"{what}: unknown keys {unknown}; allowed: {sorted(names)}")
-    return cls(**data)
 
 
 @dataclass(frozen=True)
@@ -127,7 +119,7 @@ class GenerateParams:
     scheduler: str
     controls: tuple[ControlParams, ...] = ()
     loras: tuple[LoraParams, ...] = ()
-    # How the pipeline encodes the image (backends/core/stages/image_encoding.py); quality None
+    # How the pipeline encodes the image (backends/core/stages/image_files.py); quality None
     # is the format's default.
     output_format: str = DEFAULT_FORMAT
     quality: int | None = None

@@ -8,7 +8,7 @@ from __future__ import annotations
 import time
 
 from backends.core.request.params import GenerateParams
-from backends.core.stages.image_encoding import DEFAULT_QUALITY
+from backends.core.request.output_format import DEFAULT_QUALITY
 
 
 def response_info(params: GenerateParams) -> dict:

@@ -12,6 +12,8 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 from typing import Any, Mapping
 
+from backends.core.typed_config import strict_from_dict
+
 RUNTIME_KINDS = ("eager", "graphs", "compiled")
 # What of the transformer blocks runs as FP8 products (runtime/fp8.py); "all" names the three.
 FP8_PARTS = ("attention", "feed_forward", "projections")
@@ -85,8 +87,6 @@ class RuntimeConfig:
 
     @classmethod
     def from_dict(cls, data: Mapping[str, Any]) -> "RuntimeConfig":
-        from backends.core.request.params import strict_from_dict
-
         return strict_from_dict(cls, data, "runtime")
 
     def to_dict(self) -> dict[str, Any]:

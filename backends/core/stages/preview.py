@@ -9,7 +9,7 @@ the VAE decoder's tens to hundreds. On another VAE (the tiny test models' random
 a picture of the latents, and a VAE whose latents do not have 4 channels gets its first 3 channels
 stretched to [0, 255].
 
-numpy only: easel_stream's pipeline (backends/bls_pipeline.py), which runs it, loads no torch.
+numpy only: easel_stream's pipeline (backends/triton/bls_pipeline.py), which runs it, loads no torch.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backends.core.runtime.placement import Placement
-from backends.stub_checks import numpy_refusal
+from backends.triton.stub_checks import numpy_refusal
 from backends.core.request.contract import INTERNAL_KEY_ENV, INTERNAL_KEY_PARAMETER, ModelDecl
 from backends.core.request.adapter_inputs import checked_params
 from backends.core.request.params import (Cancelled, GenerateParams, InvalidInput, Limits, Overloaded, UnknownAdapter,
@@ -195,7 +195,7 @@ def remaining_us(timeout_us: int, params: GenerateParams, what: str) -> int:
     sends its deadline there) is the one deadline an HTTP client can give: HTTP has no cancel. So
     the denoiser gets what remains of it and drops the request at the first step boundary past it
     (backends/core/engine/loop.py); a gRPC client's own cancel or deadline reaches it too, by the
-    public model's watcher (backends/bls_pipeline.py). A BLS request cannot be cancelled in 2.51
+    public model's watcher (backends/triton/bls_pipeline.py). A BLS request cannot be cancelled in 2.51
     (no cancel() on its response iterator before 24.11), so a timeout is what a BLS caller can pass.
     `timeout_us`: the request's timeout(), the client's whole deadline."""
     if not timeout_us:
@@ -217,7 +217,7 @@ MARKS = {"[invalid input] ": "INVALID_ARG", "[not found] ": "NOT_FOUND", "[unava
 INVALID_MARK = "[invalid input] "
 # Any model's errors reach a BLS caller as INTERNAL in 2.51, a plain model's too (seen: preprocess's
 # INVALID_ARG reached easel_stream as INTERNAL). A BLS caller that passes on statuses (the public
-# models, backends/bls_pipeline.py) sends this request parameter, and the model marks its errors
+# models, backends/triton/bls_pipeline.py) sends this request parameter, and the model marks its errors
 # for it; clients never see a mark.
 MARKS_PARAMETER = "easel_marks"
 

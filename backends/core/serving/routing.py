@@ -6,7 +6,7 @@ whenever requests differ in size or steps. Work is counted as steps x rows (2 wi
 pixels, in units of one 1024x1024 row-step, the cost a step grows with
 (GenerateParams.work).
 
-A denoiser's load is what it publishes on the load board (backends/load_board.py: the remaining
+A denoiser's load is what it publishes on the load board (backends/core/serving/load_board.py: the remaining
 work of everything it holds, whoever sent it, `easel` or `easel_stream`) plus what this router
 sent it that it has not admitted yet (between the pick and the denoiser's acknowledgement, the
 board does not show it). A denoiser with nothing on the board (not started, or a board that cannot

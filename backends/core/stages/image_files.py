@@ -1,8 +1,8 @@
 """Decoded pixels -> the image file a request asked for: PNG (default), JPEG or WebP.
 
-Torch-free, and PIL is imported only when an image is encoded, so that request validation
-(backends/core/request/params.py) can read the constants without it. The encode runs on the
-critical path in the pipeline (backends/bls_pipeline.py), hence settings chosen for speed over the last few percent of size.
+Torch-free, and PIL is imported only when an image is encoded. The formats a request may ask for
+are the request's vocabulary (backends/core/request/output_format.py). The encode runs on the
+critical path in the pipeline (backends/triton/bls_pipeline.py), hence settings chosen for speed over the last few percent of size.
 
 Measured with Pillow 13.0.0 (zlib 1.2.13, libwebp 1.6.0, libjpeg-turbo) on a 1024x1024 RGB
 photo-like image (smooth colour field + mid-frequency texture + edges + Gaussian noise sigma 3),
@@ -30,33 +30,12 @@ import io
 
 import numpy as np
 
+from backends.core.request.output_format import DEFAULT_FORMAT, DEFAULT_QUALITY, check_format, check_quality
 from backends.core.stages.png_encoding import encode_png
 
-FORMATS = ("png", "jpeg", "webp")
-DEFAULT_FORMAT = "png"
-MIME_TYPES = {"png": "image/png", "jpeg": "image/jpeg", "webp": "image/webp"}
-# Formats that take a `quality`, with its default; PNG is lossless and takes none.
-DEFAULT_QUALITY = {"jpeg": 90, "webp": 90}
-MIN_QUALITY, MAX_QUALITY = 1, 100
 PNG_COMPRESS_LEVEL = 1
 WEBP_METHOD = 0
-
 _PIL_FORMATS = {"jpeg": "JPEG", "webp": "WEBP"}
-
-
-def check_format(fmt: str) -> None:
-    if fmt not in FORMATS:
-        raise ValueError(f"output_format: unknown format {fmt!r}; allowed: {', '.join(FORMATS)}")
-
-
-def check_quality(fmt: str, quality: int | None) -> None:
-    """`quality` is for the lossy formats only, in [MIN_QUALITY, MAX_QUALITY]; None is the default."""
-    if quality is None:
-        return
-    if fmt not in DEFAULT_QUALITY:
-        raise ValueError(f"quality: only for {' and '.join(DEFAULT_QUALITY)}, not {fmt}")
-    if not MIN_QUALITY <= quality <= MAX_QUALITY:
-        raise ValueError(f"quality: {quality} is outside [{MIN_QUALITY}, {MAX_QUALITY}]")
 
 
 def encode_image(pixels: np.ndarray, fmt: str = DEFAULT_FORMAT, quality: int | None = None) -> bytes:

@@ -11,7 +11,7 @@ import time
 import triton_python_backend_utils as pb_utils
 
 from backends.core.engine.step_stats import LoopStats
-from backends.triton_adapter import Metrics
+from backends.triton.adapter import Metrics
 
 log = logging.getLogger("backends.easel_denoiser")
 

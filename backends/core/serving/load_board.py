@@ -1,7 +1,7 @@
 """Each denoiser's outstanding work, where every public model reads it: one small file per
 denoiser in /dev/shm.
 
-The public models route each request to the least loaded denoiser (backends/denoiser_routing.py).
+The public models route each request to the least loaded denoiser (backends/core/serving/routing.py).
 What they sent themselves is only part of a denoiser's load: `easel` and `easel_stream` are
 separate processes, and a request they sent long ago may be almost done. The denoiser knows the
 rest: it writes its queued and running requests' remaining work (steps left x rows x pixels) here
@@ -20,7 +20,7 @@ import os
 import struct
 import threading
 
-from backends.core.shm_files import SHM_DIR, remove_orphans, server_file, unlink
+from backends.core.serving.shm_files import SHM_DIR, remove_orphans, server_file, unlink
 
 PREFIX = "easel-load-"
 _VALUE = struct.Struct("<dd")

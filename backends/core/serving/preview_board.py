@@ -28,7 +28,7 @@ import struct
 
 import numpy as np
 
-from backends.core.shm_files import SHM_DIR, remove_orphans, server_file, unlink
+from backends.core.serving.shm_files import SHM_DIR, remove_orphans, server_file, unlink
 
 PREFIX = "easel-preview-"
 # A key names a file: letters, digits, '_' and '-' only (the public models send uuid4 hex).

@@ -23,7 +23,7 @@ from torch.utils.dlpack import from_dlpack, to_dlpack
 from backends.core.adapters.store import AdapterStore
 from backends.core.request.contract import ModelDecl
 from backends.core.request.params import InvalidInput, UnknownAdapter
-from backends.triton_adapter import ForwardedError, internal_parameters
+from backends.triton.adapter import ForwardedError, internal_parameters
 from backends.core.adapters.controlnet import ControlCall, Residuals
 
 

@@ -17,9 +17,9 @@ responses. A top-level Python model does see its client's cancel: its response s
 request reaches its denoiser under a key of ours, and when the client cancels, a watcher thread
 sends that denoiser a small request naming the key: the denoiser drops the request at its next
 step boundary. The watcher asks `is_cancelled()` only while no execute runs
-(triton_adapter.EXECUTE_LOCK: otherwise Triton 2.51's stub corrupts its heap). A client's
+(triton/adapter.EXECUTE_LOCK: otherwise Triton 2.51's stub corrupts its heap). A client's
 deadline also reaches the denoiser as what is left of the request's timeout
-(triton_adapter.remaining_us), for clients that cannot cancel (HTTP).
+(triton/adapter.remaining_us), for clients that cannot cancel (HTTP).
 
 `execute` only copies the inputs and hands each request to a worker thread, which answers through
 the request's response sender: the unary model too, as Triton 2.51 lets a non-decoupled Python
@@ -49,16 +49,17 @@ from backends.core.request import contract
 from backends.core.request.adapter_inputs import checked_params
 from backends.core.request.params import Cancelled, GenerateParams, InvalidInput, Overloaded
 from backends.core.request.response_info import response_info
-from backends.core.stages.image_encoding import FORMATS, encode_image
+from backends.core.request.output_format import FORMATS
+from backends.core.stages.image_files import encode_image
 from backends.core.stages.preview import preview_png
-from backends.denoiser_routing import LeastLoaded
-from backends.load_board import LoadReader
-from backends.preview_board import PreviewFile, remove_orphan_previews
-from backends.triton_adapter import (MARKS_PARAMETER, ForwardedError, failure, input_array, internal_parameters,
+from backends.core.serving.routing import LeastLoaded
+from backends.core.serving.load_board import LoadReader
+from backends.core.serving.preview_board import PreviewFile, remove_orphan_previews
+from backends.triton.adapter import (MARKS_PARAMETER, ForwardedError, failure, input_array, internal_parameters,
                                      is_cancelled, limits, parameters, remaining_us, scalar)
 
 FINAL = pb_utils.TRITONSERVER_RESPONSE_COMPLETE_FINAL
-log = logging.getLogger("backends.bls_pipeline")
+log = logging.getLogger("backends.triton.bls_pipeline")
 # How often the watcher asks whether a client cancelled: the denoiser drops the request at the
 # first step boundary after it hears, so this bounds the cancel's delay beyond one step.
 WATCH_INTERVAL_S = 0.1
@@ -125,7 +126,7 @@ class BlsPipeline:
 
     def start(self, request) -> None:
         """Admits `request` and runs it on a worker; every answer goes through its response sender.
-        Called from execute, under triton_adapter.EXECUTE_LOCK."""
+        Called from execute, under triton/adapter.EXECUTE_LOCK."""
         sender = request.get_response_sender()
         try:
             job = self._admit(request, sender)
@@ -175,7 +176,7 @@ class BlsPipeline:
     def _call(self, job: Job, model: str, decl: contract.ModelDecl, inputs: list) -> dict:
         if job.cancelled:
             raise Cancelled(f"{self.name}: cancelled by the client before {model}")
-        # (marked errors: their status survives BLS, see triton_adapter.MARKS_PARAMETER)
+        # (marked errors: their status survives BLS, see triton/adapter.MARKS_PARAMETER)
         response = pb_utils.InferenceRequest(model_name=model, inputs=inputs,
                                              parameters={MARKS_PARAMETER: True, **internal_parameters()},
                                              requested_output_names=[t.name for t in decl.outputs]).exec()

@@ -1,4 +1,4 @@
-"""backends/core/stages/image_encoding.py: pixels -> PNG/JPEG/WebP bytes."""
+"""backends/core/stages/image_files.py: pixels -> PNG/JPEG/WebP bytes."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ import numpy as np
 import pytest
 from PIL import Image, features
 
-from backends.core.stages.image_encoding import (DEFAULT_QUALITY, FORMATS, MIME_TYPES, PNG_COMPRESS_LEVEL,
-                                                 encode_image)
+from backends.core.request.output_format import DEFAULT_QUALITY, FORMATS, MIME_TYPES
+from backends.core.stages.image_files import PNG_COMPRESS_LEVEL, encode_image
 from backends.core.stages import png_encoding
 from backends.core.stages.png_encoding import adler32_combine, encode_png
 

@@ -1,0 +1,1 @@
+"""Serving logic that needs no Triton: routing between replicas, the load and preview boards, /dev/shm files."""

@@ -1,0 +1,1 @@
+"""Triton glue: the Python backend adapter, the BLS pipeline and ControlNet calls, metrics."""
