@@ -61,7 +61,7 @@ test: setup aiperf
 
 # The plots of every committed benchmark result folder, redrawn from its JSON.
 bench-plots: $(STAMP)
-	$(PY) -m bench.bench_report bench/results/*/
+	$(PY) -m clients.bench.report bench/results/*/
 
 clean:
 	rm -rf $(VENV) $(AIPERF_VENV) demo build

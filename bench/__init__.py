@@ -1,1 +1,1 @@
-"""Benchmarks: scripts that print figures and write JSON (`easel bench` is bench/easel_bench.py)."""
+"""Benchmark results (results/) and micro-benchmarks (micro/); the harness is `easel bench` (clients/bench/)."""

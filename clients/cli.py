@@ -141,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in EXPORT_COMMANDS.items():
         # Parsed by export.cli; registered here only so `easel --help` lists them.
         sub.add_parser(name, help=text, add_help=False)
-    # Parsed by bench/easel_bench.py (GPU machine; --cpu-smoke anywhere).
+    # Parsed by clients/bench/harness.py (GPU machine; --cpu-smoke anywhere).
     sub.add_parser("bench", help="Easel against diffusers eager/compiled in one run: latency, throughput, "
                                  "stages, PSNR, cold start", add_help=False)
     return parser
@@ -401,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             return forward_to_export(first, argv[i + 1:])
 
     if first == "bench" and argv.index(first) == 0:
-        from bench.easel_bench import main as bench_main
+        from clients.bench.harness import main as bench_main
 
         return int(bench_main(argv[1:]) or 0)
 

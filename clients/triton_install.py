@@ -104,7 +104,7 @@ def required_backends(repo: Path) -> set[str]:
 # A BLS call's GPU outputs (a ControlNet's residuals: ~100 MiB at 1024 px with guidance) are
 # allocated there; beyond it each output is a cudaMalloc, a CUDA IPC handle opened by both
 # stubs and a cudaFree that waits for everything queued on the GPU, the UNet's half included
-# (bench/bls_transport.py).
+# (bench/micro/bls_transport.py).
 DEFAULT_CUDA_POOL_MIB = 2048
 
 

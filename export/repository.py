@@ -295,7 +295,7 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
         "vae_decoder", "easel_vae_decoder", contract.VAE_DECODER, options.stage_instances(),
         # On a fast runtime the VAE runs as a CUDA graph with plugins' GroupNorm+SiLU, whatever the
         # UNet's flags: on an H200 that took SDXL's fp32 decode at 1024 px from 116 to 68 ms, pixels
-        # within 1 of eager's (bench/vae_micro.py). Its attention product in bf16 takes it to 58 ms,
+        # within 1 of eager's (bench/micro/vae_micro.py). Its attention product in bf16 takes it to 58 ms,
         # pixels as close to fp32's (62.9 dB); the fused ops' NHWC kernels and folded convolution
         # biases to 45 ms (the decoder then runs NHWC from its attention on, so channels_last
         # weights and input change nothing: 44.9 ms).

@@ -10,7 +10,7 @@ rounded to the input dtype (as the matrix product's output is), then gelu (exact
 the multiply in fp32 with one rounding at the end, as inductor's fused tail computes them (its
 output equalled the compiled unfused path's bit for bit on SDXL's shapes).
 
-Measured, and not used by the runtime (bench/geglu_linear_micro.py, H200, fp16, CUDA graphs;
+Measured, and not used by the runtime (bench/geglu_linear_micro.py, in git history, H200, fp16, CUDA graphs;
 bench/results/2026-11-23b-h200/): against cuBLAS's product plus inductor's fused tail it is 1.05x
 and 1.03x faster at 2 rows (one request with guidance) and 1.10x / 0.97x at 16 rows (4096 / 1024
 tokens): saving the intermediate's traffic is mostly given back by a product slower than
@@ -39,7 +39,7 @@ class TileConfig:
     num_stages: int
 
 
-# The fastest on an H200 for SDXL's 2-row shapes (bench/geglu_linear_micro.py).
+# The fastest on an H200 for SDXL's 2-row shapes (bench/geglu_linear_micro.py, in git history).
 DEFAULT = TileConfig(128, 128, 64, 8, 8, 4)
 
 

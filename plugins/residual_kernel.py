@@ -2,7 +2,7 @@
 ResnetBlock2D, with its second convolution's bias left out of the convolution.
 
 torch adds a convolution's bias as a pass of its own over the output (a broadcast, so not even
-its vectorized kernel: 7.3 of the VAE decoder's 58 ms at 1024 px on an H200, bench/vae_micro.py),
+its vectorized kernel: 7.3 of the VAE decoder's 58 ms at 1024 px on an H200, bench/micro/vae_micro.py),
 then the residual in a second pass and divides by the block's output scale in a third. Here it is
 one read of h and of the residual and one write, each intermediate rounded to the tensors' dtype
 as torch's separate ops round it. NCHW or channels_last (NHWC): h, residual and the output share

@@ -28,7 +28,7 @@ def pytest_collection_modifyitems(config, items):
 
     if torch.cuda.is_available():
         return
-    skip = pytest.mark.skip(reason="needs a CUDA GPU (marker gpu); run bench/gpu_tests.sh on the GPU machine")
+    skip = pytest.mark.skip(reason="needs a CUDA GPU (marker gpu); run tests/gpu/run.sh on a GPU host")
     for item in items:
         if "gpu" in item.keywords:
             item.add_marker(skip)

@@ -57,7 +57,7 @@ class TritonPythonModel:
         setup_stub()
         # The loop thread launches kernels from Python while BLS threads wait for the GIL to hand
         # ControlNet tensors over; the default 5 ms switch interval delays each hand-off by up to
-        # that much (bench/bls_transport.py measures it).
+        # that much (bench/micro/bls_transport.py measures it).
         sys.setswitchinterval(0.001)
         self.name = args["model_name"]
         config = DenoiserConfig.from_json(parameters(args)["denoiser"])

@@ -29,7 +29,7 @@ from backends.core.request.params import (Cancelled, GenerateParams, InvalidInpu
 
 # Triton 2.51's stub corrupts its own heap when a response sender's is_cancelled(), asked from
 # another thread, overlaps the model's execute on the main thread: under a flood of refusals beside
-# streams the client cancels, `easel_stream` died in 6 of 9 runs of bench/stream_stress.py
+# streams the client cancels, `easel_stream` died in 6 of 9 runs of bench/micro/stream_stress.py
 # (87-186 s); with no is_cancelled() calls, 240 s clean in 3 of 3; with the two kept apart by this
 # lock, clean in every run (bench/results/2026-11-24c-cpu/notes.md). Execute holds it
 # (`holds_execute_lock`); every is_cancelled() outside execute goes through `is_cancelled`. One per

@@ -4,7 +4,7 @@ Calls run on a thread pool so that the ControlNets of a step (several per reques
 requests per batch) are in flight together and beside the denoiser's encoder half; the
 service's instances (one per GPU or slot) take them in parallel. Tensors cross by DLPack and
 the residuals are asked for on the denoiser's GPU, so on GPUs nothing passes through host
-memory (bench/bls_transport.py measures what a call costs).
+memory (bench/micro/bls_transport.py measures what a call costs).
 """
 
 from __future__ import annotations

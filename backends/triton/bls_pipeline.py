@@ -29,7 +29,7 @@ the instance holds no engine, only threads waiting on the models it calls.
 
 Triton's traces do not follow the calls: handing a BLS request the client request's `trace()`
 from a worker crashed tritonserver (SIGSEGV in TRITONSERVER_ServerInferAsync: the trace does not
-outlive `execute`), so bench/pipeline_trace.py reads Triton's per-model statistics instead.
+outlive `execute`), so bench/micro/pipeline_trace.py reads Triton's per-model statistics instead.
 """
 
 from __future__ import annotations

@@ -4,14 +4,14 @@ and one without guidance, against diffusers' CPU images of the same seeds.
 
 Tolerance: PSNR >= 35 dB (CPU fp32 against GPU fp32, whose convolutions may run in TF32 and whose
 kernels differ from the CPU's; the CPU server tests hold the split to 1/255). Needs two GPUs:
-`bench/gpu_tests.sh` on nvidia-h200-x2; skipped elsewhere."""
+`tests/gpu/run.sh` on nvidia-h200-x2; skipped elsewhere."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from backends.core.stages.image_metrics import psnr
+from clients.bench.image_metrics import psnr
 from clients.client import EaselClient
 from clients.serve import TritonServer
 from export.repository import ExportOptions, export_repository

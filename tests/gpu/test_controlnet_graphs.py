@@ -49,7 +49,7 @@ def test_graphs_equal_eager_and_follow_scale_shape_and_eviction(tiny_model):
 def test_compiled_graphs_equal_eager_for_two_controlnets(tiny_model, tmp_path):
     """Graphs of compiled code: each ControlNet's residuals within the compiled tolerance of its
     eager ones (inductor fuses and reorders fp16 sums: test_fast_runtime.py's COMPILED_TOL; an
-    SDXL-size ControlNet was 2.0e-3 from eager on an H200, bench/controlnet_micro.py), with the
+    SDXL-size ControlNet was 2.0e-3 from eager on an H200, bench/micro/controlnet_micro.py), with the
     code compiled once for both (the second is captured, not compiled)."""
     from backends.core.runtime.compile_cache import use_compile_cache
 

@@ -4,7 +4,7 @@ Tiny models, so that the tier runs in minutes. Tolerances, relative to the large
 the eager output: fp32 1e-5 with TF32 off (graph replay runs the same kernels, but cuBLAS/cuDNN
 may pick other algorithms while capturing; with torch's default, cuDNN convolutions in TF32, eager
 and graphs differed by 1.7e-4 on the H200), fp16 2e-3 (half a dozen fp16 ulps), compiled fp16
-1e-2 (inductor fuses and reorders reductions). Run with `bench/gpu_tests.sh` on the GPU machine;
+1e-2 (inductor fuses and reorders reductions). Run with `tests/gpu/run.sh` on the GPU machine;
 skipped elsewhere.
 """
 
@@ -241,7 +241,7 @@ def test_the_engines_stream_waits_for_what_the_caller_queued_on_the_same_graphs(
     step on the same bucket: the engine's stream must not write the bucket's buffers before the
     caller's step has read them. A GPU sleep between the caller's two halves holds its step
     back, so without the wait the engine's encoder replay lands in between every time (what made
-    bench/fp8_probe.py report FP8 127% away from fp16: bench/results/2026-11-23i-h200)."""
+    bench/micro/fp8_probe.py report FP8 127% away from fp16: bench/results/2026-11-23i-h200)."""
     where = Placement("cuda:0", "fp16")
     eager, fast = runtimes(repo, "fp16", RuntimeConfig(kind="graphs", row_buckets=(2,)))
     engine = TorchDenoiser(repo / "denoiser" / "1", where, runtime=fast)

@@ -4,7 +4,7 @@ approximate mode, so its error against the exact fp16 step is bounded, not zero.
 Bounds, as relative RMS errors: FP8 against fp16 <= 10% (e4m3 rounds each operand by up to 6.25%;
 the tiny UNet's noise moved by 4.4% on a CPU, tests/unit/test_fp8.py) and > 0.1% (FP8 really ran);
 a graph replayed against the same FP8 modules run eager: the fp16 tolerance of
-tests/gpu/test_fast_runtime.py (2e-3 of the largest magnitude). Run with `bench/gpu_tests.sh`.
+tests/gpu/test_fast_runtime.py (2e-3 of the largest magnitude). Run with `tests/gpu/run.sh`.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from backends.core.runtime.config import FP8_PARTS, RuntimeConfig
 from backends.core.runtime.fp8 import CALIBRATION_FILE, Fp8Linear
 from backends.core.runtime.placement import Placement
 from backends.core.runtime.torch_eager import EagerUNetRuntime
-from bench.common import rel_rms
+from clients.bench.common import rel_rms
 from export.repository import ExportOptions, export_repository
 from tests.gpu.test_fast_runtime import TOL, batch, rel_err, step
 

@@ -10,7 +10,7 @@ ControlNet runs at scale 4 so that it moves the tiny model's image well past tha
 without it is below 35 dB (at scale 1 it was 37.9 dB away), so residuals that went missing or
 stale fail.
 The graphs runtime: the ControlNet service, the text encoders and the VAE replay CUDA graphs
-captured in stubs whose threads start on GPU 0. Needs two GPUs (`bench/gpu_tests.sh` on
+captured in stubs whose threads start on GPU 0. Needs two GPUs (`tests/gpu/run.sh` on
 such a machine), four for the last placements; skipped elsewhere."""
 
 from __future__ import annotations
@@ -20,7 +20,7 @@ from concurrent.futures import ThreadPoolExecutor
 import pytest
 import torch
 
-from backends.core.stages.image_metrics import psnr
+from clients.bench.image_metrics import psnr
 from clients.client import EaselClient
 from clients.serve import TritonServer
 from export.repository import ExportOptions, export_repository

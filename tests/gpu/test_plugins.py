@@ -8,7 +8,7 @@ Tolerances (torch.testing.assert_close's atol, rtol; against torch's unfused op 
   be within half an ulp (+ 1e-5 relative for fp32 arithmetic) of a float64 reference computed
   from the same half-precision inputs: correctly rounded, which torch's two roundings are not.
 Compiled and graph-replayed ops run the very same kernels as eager, so they must be bit-equal.
-Run with `bench/gpu_tests.sh` on the GPU machine; skipped elsewhere.
+Run with `tests/gpu/run.sh` on the GPU machine; skipped elsewhere.
 """
 
 from __future__ import annotations

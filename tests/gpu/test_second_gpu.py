@@ -3,7 +3,7 @@ GPU 0, as a Triton stub's threads are whatever its instance's GPU: a generic gra
 ControlNet service's graphs (plain and compiled), the text encoders' and the VAE's. Each call, with
 new inputs every time, equals the same work run eagerly on GPU 1 (tolerances: test_fast_runtime.py's,
 fp16 2e-3 and compiled 1e-2 of the largest magnitude, fp32 1e-5), and the thread's current device
-is left as it was. Needs two GPUs (`bench/gpu_tests.sh` on such a machine); skipped elsewhere."""
+is left as it was. Needs two GPUs (`tests/gpu/run.sh` on such a machine); skipped elsewhere."""
 
 from __future__ import annotations
 

@@ -11,7 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 
-from bench.soak import rss_bytes
+from clients.bench.soak import rss_bytes
 from clients.client import EaselClient, EaselError
 from clients.procs import descendants
 from clients.serve import TritonServer
@@ -55,7 +55,7 @@ def test_a_flood_is_refused_at_once_past_the_bound(bounded):
     with ThreadPoolExecutor(FLOOD) as pool:
         results = list(pool.map(one, [bounded.url_grpc] * FLOOD))
     # Memory stays bounded while it lasts: what was refused holds nothing (stated margin: the
-    # soak's per-process bound, bench/soak.py, for the whole tree).
+    # soak's per-process bound, clients/bench/soak.py, for the whole tree).
     assert rss(bounded) - before < 160 * 2**20, (before, rss(bounded))
     served = [r for r in results if r[0] == "ok"]
     refused = [r for r in results if r[0] != "ok"]

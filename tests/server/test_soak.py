@@ -1,4 +1,4 @@
-"""A CI-sized soak (bench/soak.py): a minute of mixed requests against a server of its own, then
+"""A CI-sized soak (clients/bench/soak.py): a minute of mixed requests against a server of its own, then
 no memory growth past warm-up beyond a stated margin, and no shared memory left behind.
 
 The margins: RSS is a Python heap and glibc's arenas, which settle in steps, and Triton's
@@ -6,7 +6,7 @@ regions grow to the largest tensor seen and keep that size. So the test allows 6
 process and 160 MiB over all of them, measured after warm-up, and no growth of the regions past
 16 MiB. A leak of one request's tensors at 128 px (text embeddings, latents, pixels: about
 0.5 MiB) would exceed the total within a few hundred requests, which a longer run
-(`python3 -m bench.soak --duration 600`) shows. This minute catches a leak of whole buffers or
+(`python3 -m clients.bench.soak --duration 600`) shows. This minute catches a leak of whole buffers or
 models.
 """
 
@@ -17,7 +17,7 @@ import io
 import pytest
 from PIL import Image
 
-from bench.soak import SoakConfig, run_soak
+from clients.bench.soak import SoakConfig, run_soak
 from clients import procs
 from export.tiny_adapters import TINY_CONTROLNETS, TINY_LORAS
 from tests.server.conftest import OPTIONS, start_server

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from bench import bench_report, bench_setup, easel_bench
+from clients.bench import harness as easel_bench, models as bench_setup, report as bench_report
 
 
 def _config(name, compiled=True):

@@ -24,7 +24,7 @@ from backends.core.runtime.fp8 import (CALIBRATION_FILE, CALIBRATION_PROMPTS, HE
 from backends.core.runtime.packed_attention import PackedSelfAttnProcessor, pack_attention
 from backends.core.runtime.placement import Placement
 from backends.core.runtime.unet_split import split_forward
-from bench.common import rel_rms
+from clients.bench.common import rel_rms
 from export.cli import parser
 from export.repository import ExportOptions, export_repository
 from tests.unit.test_packed_attention import inputs
@@ -139,7 +139,7 @@ def test_the_tiny_unet_in_fp8_stays_near_fp32(folder, tiny_model, tmp_path):
 
     # bench/fp8_fidelity's diagnosis, which the GPU figures rest on: each product's own error, and
     # the products emulated in fp32 (a CPU's torch._scaled_mm gives the same noise within 5%).
-    from bench.fp8_fidelity import diagnose
+    from clients.bench.fp8_diagnosis import diagnose
 
     found = diagnose(layers, unet, lambda: split_forward(enc, dec, *measured), want)
     assert found["noise_rms_rel_error"] == pytest.approx(error)

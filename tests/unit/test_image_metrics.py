@@ -2,7 +2,7 @@
 
 import numpy as np
 
-from backends.core.stages.image_metrics import psnr, ssim
+from clients.bench.image_metrics import psnr, ssim
 
 
 def test_identical_images():

@@ -146,7 +146,7 @@ def test_vae_options_keep_the_pixels(repo):
 def test_vae_half_precision_attention_follows_diffusers_processor(repo):
     """HalfPrecisionAttention is AttnProcessor2_0 step for step: in fp32 it gives the stock
     processor's output bit for bit; in bf16 (the attention product only) it stays within 1/255
-    of the fp32 pixels on the tiny VAE (the GPU tier and bench/vae_micro.py measure SDXL's)."""
+    of the fp32 pixels on the tiny VAE (the GPU tier and bench/micro/vae_micro.py measure SDXL's)."""
     import numpy as np
 
     from backends.core.stages.vae_decoding import HalfPrecisionAttention, LatentDecoder
@@ -168,10 +168,10 @@ def test_vae_half_precision_attention_follows_diffusers_processor(repo):
 def test_vae_in_bf16_stays_close_to_fp32(repo):
     """export --vae-dtype bf16: the whole VAE in bf16 (fp32's range, 8 bits of mantissa), an
     approximate fast path; on the tiny VAE its pixels stay >= 40 dB from fp32's, none more than 8/255 off
-    (bench/vae_micro.py measures SDXL's on the GPU: 49.7 dB)."""
+    (bench/micro/vae_micro.py measures SDXL's on the GPU: 49.7 dB)."""
     import numpy as np
 
-    from backends.core.stages.image_metrics import psnr
+    from clients.bench.image_metrics import psnr
     from backends.core.stages.vae_decoding import LatentDecoder
 
     folder = repo / "vae_decoder" / "1"

@@ -45,7 +45,7 @@ def test_the_api_runs_as_easel_openai_on_the_servers_grpc_port():
 
 def test_bench_plots_redraws_each_folder_from_its_json(tmp_path):
     pytest.importorskip("matplotlib")
-    from bench import bench_report
+    from clients.bench import report as bench_report
 
     folders = sorted(p.parent for p in RESULTS.glob("*/results.json"))
     assert folders, RESULTS

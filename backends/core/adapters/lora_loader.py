@@ -52,7 +52,7 @@ log = logging.getLogger(__name__)
 # Loading is background work beside the step loop, which is CPU-bound (it launches every kernel
 # from Python): the loader processes and the feeder threads run at this niceness, so the scheduler
 # favours the loop. (On the H200 host two loads slowed the loop's steps by 4-13 ms each while they
-# ran, niced by 6-8 ms: within that host's noise, no gain shown, none lost; bench/lora_interference.py.)
+# ran, niced by 6-8 ms: within that host's noise, no gain shown, none lost; bench/micro/lora_interference.py.)
 LOADER_NICENESS = 10
 SEGMENT_PREFIX = "easel-lora-"  # + <parent pid>-<pool id>-<worker pid>-<uuid>: leftovers are found by owner
 LoadStats = tuple[int, float, int]  # files, seconds spent loading them (summed), bytes of weights

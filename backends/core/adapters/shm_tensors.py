@@ -88,7 +88,7 @@ def read_tensors(path: str, device: torch.device | str = "cpu", staging: Staging
             _read_into(f, data)
     # One typed view of the buffer per dtype, sliced per tensor: fewer torch ops a tensor. Beside a
     # Python-busy thread, each op of the loader's feeder thread can wait for the GIL, and over a
-    # LoRA's 1,400 tensors that dominated the read (bench/lora_read_contention.py: 36 s, 13 s now).
+    # LoRA's 1,400 tensors that dominated the read (bench/micro/lora_read_contention.py: 36 s, 13 s now).
     tensors, typed = {}, {}
     for key, entry in header.items():
         start, end = entry["data_offsets"]

@@ -169,7 +169,7 @@ class TorchDenoiser:
         streams for what the caller queued before entering, the caller's for what the engine
         queued inside. Without the first, a caller that had just queued a step on the runtime's
         graphs saw its output overwritten by the engine's first step, which wrote the same static
-        buffers concurrently (bench/fp8_probe.py's 127-131%, bench/results/2026-11-23i-h200)."""
+        buffers concurrently (bench/micro/fp8_probe.py's 127-131%, bench/results/2026-11-23i-h200)."""
         if self.stream is None:
             return nullcontext()
         stack = ExitStack()

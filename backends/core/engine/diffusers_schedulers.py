@@ -52,7 +52,7 @@ class SchedulerPrototypes:
     Why: building one (diffusers' config machinery inspects signatures) and setting its timesteps
     took 0.8 ms on the dev CPU and several ms on the H200 host (py-spy), on the denoise loop's
     thread, where every running request waits for it; a copy still took 0.7 ms on the H200 host
-    (`bench/admission_micro.py`).
+    (`bench/micro/admission_micro.py`).
     """
 
     def __init__(self, base: SchedulerMixin, device, size: int = 32):

@@ -3,7 +3,7 @@ generator), drawn faster where this torch build allows it.
 
 Why: torch 2.11's CPU normal for fp16 (the GPU image's torch) runs one scalar Box-Muller step
 per pair of elements: 2.1 ms for SDXL's 1x4x128x128 latents on the H200 host, two thirds of a
-request's admission on the denoise loop's thread (`bench/admission_micro.py`), and euler_a draws
+request's admission on the denoise loop's thread (`bench/micro/admission_micro.py`), and euler_a draws
 that again every step. Its arithmetic has only 2048 possible inputs per factor (the uniforms are
 11-bit: k / 2048), so the draw is the generator's raw integers (`torch.randint`, which takes the
 same 32-bit draws in the same order) looked up in tables of that arithmetic.

@@ -42,7 +42,7 @@ class RuntimeConfig:
     # compiled half means compiling it (minutes), so `compiled` runs misses eager by default.
     capture_on_miss: bool | None = None
     # The UNet's convolutions in channels_last; None: where it measurably pays. Measured on an
-    # H200 (bench/step_profile.py, 1024 px, 2 rows): compiled 33.8 -> 32.5 ms a step (inductor
+    # H200 (bench/micro/step_profile.py, 1024 px, 2 rows): compiled 33.8 -> 32.5 ms a step (inductor
     # writes its own norms for either layout, cuDNN's convolutions skip their NCHW<->NHWC copies);
     # graphs 44.7 ms against 36.6 with the fused kernels (eager GroupNorm is slow in channels_last).
     channels_last: bool | None = None
@@ -56,7 +56,7 @@ class RuntimeConfig:
     # these parts of FP8_PARTS; empty: none (exact). Approximate: opt-in, measured by PSNR.
     fp8: tuple[str, ...] = ()
     # FP8 products with cuBLAS's fast accumulation (Hopper: partial sums not promoted to fp32).
-    # Measured on H200s (bench/fp8_probe.py, 1024 px, 2 rows): a step 27.58 -> 27.15 ms and
+    # Measured on H200s (bench/micro/fp8_probe.py, 1024 px, 2 rows): a step 27.58 -> 27.15 ms and
     # 27.80 -> 27.43 ms; the noise's error from fp16 unchanged at 3.1-3.2% (e4m3's rounding of the
     # operands dominates).
     fp8_fast_accum: bool = False

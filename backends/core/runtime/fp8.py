@@ -1,7 +1,7 @@
 """FP8 (e4m3) matrix products for the UNet's transformer blocks, with static, calibrated scales.
 
 An approximate mode: the image moves away from the fp16 one, so it is opt-in and its PSNR against
-the exact path is measured (bench/fp8_probe.py), never assumed.
+the exact path is measured (bench/micro/fp8_probe.py), never assumed.
 
 Why static scales: a scale computed from each call's activations (the first probe, row-wise amax)
 needs a reduction over the activation before the cast, a pass of its own that cost more than FP8
@@ -86,7 +86,7 @@ class Fp8Linear(nn.Module):
 
     def product(self, x8: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """[rows, in] e4m3 -> [rows, out]. The bias in the product's epilogue, not in the kernel
-        that reads the product: a step 0.33-0.40 ms faster on an H200 (bench/fp8_probe.py,
+        that reads the product: a step 0.33-0.40 ms faster on an H200 (bench/micro/fp8_probe.py,
         results/2026-11-24b-h200)."""
         return torch._scaled_mm(x8, self.w8.t(), bias=self.bias, scale_a=self.x_scale, scale_b=self.w_scale,
                                 out_dtype=out_dtype, use_fast_accum=self.fast_accum)
@@ -114,7 +114,7 @@ def use_fp8(unet: nn.Module, parts: tuple[str, ...] = FP8_PARTS) -> list[Fp8Line
     Attention's output projections stay fp16: their input comes straight from the attention
     kernel, so in e4m3 each needed a cast kernel of its own (140 a step, 0.55 ms), and theirs were
     the largest errors of any product. Kept in fp16, a step was as fast or faster (26.39 against
-    26.55 ms, H200) and its noise 2.8% from fp16's instead of 3.1% (bench/fp8_probe.py,
+    26.55 ms, H200) and its noise 2.8% from fp16's instead of 3.1% (bench/micro/fp8_probe.py,
     results/2026-11-24b-h200)."""
     from diffusers.models.attention import BasicTransformerBlock
     from diffusers.models.transformers.transformer_2d import Transformer2DModel

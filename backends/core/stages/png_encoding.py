@@ -27,7 +27,7 @@ import numpy as np
 from isal import isal_zlib
 
 # Raw bytes a strip holds, about; one task per strip. With ISA-L on the H200 host (16 cores; a
-# 1024x1024 random-weight image, 3 MiB raw, 2.5 MiB out; bench/vae_micro.py, in one process):
+# 1024x1024 random-weight image, 3 MiB raw, 2.5 MiB out; bench/micro/vae_micro.py, in one process):
 # 256 KiB strips 4.9 / 3.7 / 3.5 / 4.0 ms on 2 / 4 / 8 / 16 threads, 64 KiB 6.8 / 5.5 / 6.5 / 8.8,
 # 16 KiB 18-28: ISA-L deflates a strip so fast that smaller tasks cost more to hand out than they
 # save. (With zlib it was the other way: 64 KiB on 16 threads, 18.3 ms.)

@@ -2,7 +2,7 @@
 
 `graphs=True` (GPUs): the decoder runs as one CUDA graph per latent shape, captured on first use;
 same kernels and precision as eager (SDXL's VAE runs in fp32 as diffusers upcasts it). Measured on
-an H200 at 1024x1024 (bench/vae_micro.py, fp32, random weights; results in bench/results/):
+an H200 at 1024x1024 (bench/micro/vae_micro.py, fp32, random weights; results in bench/results/):
 eager 118 ms, graphs 116, graphs + `fused_kernels` (plugins' GroupNorm+SiLU) 68 ms with pixels
 within 1 of eager's, `compiled` 64 ms after a 25 s compile, `channels_last` 164 ms (slower);
 bf16 38 ms but 50 dB from fp32, fp16 overflows on SDXL's real VAE. A fast deployment uses
@@ -16,7 +16,7 @@ graphs + fused + bf16 attention 45 ms (57.8 before), bf16 29 ms (38), with or wi
 attention (one head of 512 channels over all 16384 latent pixels at 1024 px) multiplies in that
 dtype instead of fp32; everything around it (norm, projections, residual) stays fp32. In fp32 it
 is 15 of those 68 ms (a SIMT kernel: no fp32 flash attention). bf16 keeps fp32's range, fp16 three more bits of precision. On the H200
-(bench/vae_micro.py, graphs + fused kernels, random weights): 67.8 -> 57.8 ms with either, the
+(bench/micro/vae_micro.py, graphs + fused kernels, random weights): 67.8 -> 57.8 ms with either, the
 pixels 62.9 dB from fp32 eager's as without it (max difference 1/255 both ways). A fast
 deployment uses bf16: SDXL's VAE overflows fp16 elsewhere, and its attention might too.
 """
