@@ -78,7 +78,7 @@ def compare_images(images: Path, name: str, system: str, reference: str, runtime
     """PSNR and SSIM of `system`'s seed-0 image against `reference`'s (uint8 RGB), if both exist."""
     from PIL import Image
 
-    from backends.core.stages import image_metrics
+    from clients.bench import image_metrics
 
     a_path, b_path = image_path(images, name, system, runtime), image_path(images, name, reference)
     if not (a_path.is_file() and b_path.is_file()):
