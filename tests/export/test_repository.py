@@ -461,3 +461,26 @@ def test_vae_dtype_is_written_only_when_asked(tiny_model, tmp_path, cpu_repo):
     assert params["vae_dtype"] == "bf16" and params["dtype"] == "fp32"  # the placement's stays
     with pytest.raises(ValueError, match="vae_dtype"):
         ExportOptions(vae_dtype="int8")
+
+
+def test_the_committed_repository_is_what_make_demo_exports(tmp_path, monkeypatch):
+    """model_repository/ as committed is what `make demo` writes (the Makefile's own `easel tiny`
+    and `easel export` lines, run in a scratch folder), so `make serve` leaves the checkout clean."""
+    import re
+    import shlex
+    import subprocess
+
+    from clients.cli import main as easel
+
+    root = Path(__file__).parents[2]
+    makefile = (root / "Makefile").read_text()
+    values = dict(re.findall(r"^(DEMO|REPO) := (\S+)$", makefile, re.M))
+    monkeypatch.chdir(tmp_path)
+    for line in ("$(EASEL) tiny $(DEMO)", re.search(r"^\t(\$\(EASEL\) export .*)$", makefile, re.M).group(1)):
+        argv = shlex.split(re.sub(r"\$\((DEMO|REPO)\)", lambda m: values[m.group(1)], line))[1:]
+        assert easel(argv) == 0, argv
+    tracked = subprocess.run(["git", "ls-files", values["REPO"]], cwd=root, capture_output=True, text=True,
+                             check=True).stdout.split()
+    assert tracked, "no committed repository"
+    for name in tracked:
+        assert (tmp_path / name).read_text() == (root / name).read_text(), f"{name} differs from what make demo writes"
