@@ -10,7 +10,7 @@ from collections import defaultdict
 
 import pytest
 
-from backends.core.engine.step_batcher import BatcherConfig, SeqState, Status, StepOutput, StepBatcher
+from backends.core.engine.step_batcher import BatcherConfig, Fcfs, SeqState, Status, StepOutput, StepBatcher
 
 A, B, C = (8, 8), (9, 13), (16, 8)  # latent shapes
 
@@ -394,3 +394,39 @@ def test_time_held_at_the_lora_bound_is_measured_from_the_plans_now():
     a.wait_from_step = None  # loaded: it runs again from the next plan
     assert "a" in s.schedule(now=4.5).request_ids
     assert a.waited_at_bound and a.bound_wait_s == 2.5 and a.held_since is None
+
+
+# --- the policy seam ---
+
+
+class ShortestFirst(Fcfs):
+    """Admits the request with the fewest steps first and steps it alone (a policy unlike Fcfs)."""
+
+    def admit(self, waiting, room):
+        return sorted(waiting, key=lambda s: s.steps)[:room]
+
+    def select(self, runnable, max_rows):
+        return [min(runnable, key=lambda s: (s.steps - s.steps_done, s.arrival))]
+
+
+def test_a_policy_decides_admission_and_the_batch_while_the_batcher_keeps_the_books():
+    s = StepBatcher(BatcherConfig(max_running=1), ShortestFirst())
+    s.add(seq("long", steps=5, arrival=0.0))
+    s.add(seq("short", steps=2, arrival=1.0))
+    plans, left = drain(s)
+    assert [p.request_ids for p in plans] == [("short",)] * 2 + [("long",)] * 5
+    assert plans[2].admitted == ("long",) and [q.request_id for q in left] == ["short", "long"]
+    assert all(q.status is Status.FINISHED for q in left)
+
+
+class MixesShapes(Fcfs):
+    def select(self, runnable, max_rows):
+        return list(runnable)
+
+
+def test_a_policy_that_mixes_shapes_is_refused_loudly():
+    s = StepBatcher(BatcherConfig(), MixesShapes())
+    s.add(seq("a", shape=A))
+    s.add(seq("b", shape=B))
+    with pytest.raises(RuntimeError, match="MixesShapes chose an invalid batch"):
+        s.schedule()

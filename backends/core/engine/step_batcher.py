@@ -3,16 +3,19 @@
 `schedule() -> StepPlan`, the executor runs the plan, `update(plan, output)` advances the
 requests. Plain Python over dataclasses, no tensors: tested on CPU with fake outputs.
 
-Policy (FCFS admission, fair stepping): requests are admitted in arrival order while the
-running set has room; each step serves the running request that has waited longest since its
+The batcher keeps the books (waiting and running sets, ticks, bound waits); a `Policy` decides
+who is admitted and who steps. `Fcfs`, the default: requests are admitted in arrival order while
+the running set has room; each step serves the running request that has waited longest since its
 own last step, batched with every other running request of the same latent shape (up to the
 row budget). Requests join before any step and leave after any step; shapes interleave.
+(diffusers' noise schedules, the other "schedulers", are engine/diffusers_schedulers.py.)
 """
 
 from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import Protocol, Sequence
 
 
 class Status(enum.Enum):
@@ -73,11 +76,43 @@ class BatcherConfig:
     max_batch_rows: int = 16  # UNet batch rows per step (a CFG request takes 2)
 
 
+class Policy(Protocol):
+    """What a scheduling policy decides; it reads the requests' states and changes none."""
+
+    def admit(self, waiting: Sequence[SeqState], room: int) -> list[SeqState]:
+        """Which waiting requests join the running set now (at most `room`), in joining order."""
+
+    def select(self, runnable: Sequence[SeqState], max_rows: int) -> list[SeqState]:
+        """The next step's batch: runnable requests of one latent shape, `max_rows` rows at most,
+        never empty when `runnable` is not."""
+
+
+class Fcfs:
+    """First come, first admitted; the request served least recently leads each step."""
+
+    def admit(self, waiting: Sequence[SeqState], room: int) -> list[SeqState]:
+        return list(waiting[:max(room, 0)])
+
+    def select(self, runnable: Sequence[SeqState], max_rows: int) -> list[SeqState]:
+        def staleness(s: SeqState):
+            return (s.last_served, s.arrival)
+
+        lead = min(runnable, key=staleness)
+        batch, rows = [], 0
+        for seq in sorted((s for s in runnable if s.shape == lead.shape), key=staleness):
+            if rows + seq.rows > max_rows:
+                break
+            batch.append(seq)
+            rows += seq.rows
+        return batch
+
+
 class StepBatcher:
-    def __init__(self, config: BatcherConfig = BatcherConfig()):
+    def __init__(self, config: BatcherConfig = BatcherConfig(), policy: Policy | None = None):
         if config.max_running < 1 or config.max_batch_rows < 2:
             raise ValueError(f"step batcher config out of range: {config}")
         self.config = config
+        self.policy = policy or Fcfs()
         self.waiting: list[SeqState] = []
         self.running: dict[str, SeqState] = {}
         self._tick = -1  # the last tick planned
@@ -109,8 +144,8 @@ class StepBatcher:
 
     def schedule(self, now: float = 0.0) -> StepPlan | None:
         admitted = []
-        while self.waiting and len(self.running) < self.config.max_running:
-            seq = self.waiting.pop(0)
+        for seq in self.policy.admit(tuple(self.waiting), self.config.max_running - len(self.running)):
+            self.waiting.remove(seq)
             seq.status = Status.RUNNING
             # A newcomer ranks as if served just now: otherwise a stream of arrivals of one
             # shape would keep leading and starve running requests of another shape.
@@ -131,22 +166,18 @@ class StepBatcher:
         if not runnable:
             return None
 
-        def staleness(s: SeqState):
-            return (s.last_served, s.arrival)
-
-        lead = min(runnable, key=staleness)
-        batch, rows = [], 0
-        for seq in sorted((s for s in runnable if s.shape == lead.shape), key=staleness):
-            if rows + seq.rows > self.config.max_batch_rows:
-                break
-            batch.append(seq)
-            rows += seq.rows
+        batch = self.policy.select(tuple(runnable), self.config.max_batch_rows)
+        shapes = {s.shape for s in batch}
+        if not batch or len(shapes) != 1 or sum(s.rows for s in batch) > self.config.max_batch_rows \
+                or any(s not in runnable for s in batch):
+            raise RuntimeError(f"policy {type(self.policy).__name__} chose an invalid batch "
+                               f"({[s.request_id for s in batch]})")
         self._tick = tick = self._tick + 1
         for seq in batch:
             seq.last_served = tick
             if seq.first_step_at is None:
                 seq.first_step_at = now
-        return StepPlan(tick=tick, request_ids=tuple(s.request_id for s in batch), shape=lead.shape,
+        return StepPlan(tick=tick, request_ids=tuple(s.request_id for s in batch), shape=batch[0].shape,
                         admitted=tuple(admitted))
 
     def update(self, plan: StepPlan, output: StepOutput) -> list[SeqState]:
