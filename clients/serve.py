@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from backends.core.request.contract import INTERNAL_KEY_ENV, INTERNAL_KEY_PARAMETER
+from backends.core.request.contract import DRAIN_FLAG_ENV, INTERNAL_KEY_ENV, INTERNAL_KEY_PARAMETER
 from backends.core.serving.load_board import PREFIX as LOAD_BOARD_PREFIX
 from clients import procs, server_preload
 from clients.triton_install import (DEFAULT_CUDA_POOL_MIB, assemble_backend_dir, find_triton, link_own_libpython,
@@ -45,9 +45,6 @@ ADMIN_KEY_CHARS = re.compile(r"[A-Za-z0-9._~-]{16,}")
 # perf_analyzer reads the statistics API and stops with an error without it, and the open
 # metrics port publishes the same counters anyway.
 RESTRICTED_APIS = ("shared-memory", "logging", "trace", "model-repository")
-# The drain flag: a file whose path the server's environment carries; `preprocess` refuses every
-# request with UNAVAILABLE while it exists (backends/easel_preprocess/model.py).
-DRAIN_FLAG_ENV = "EASEL_DRAIN_FLAG"
 # What marks a model clients call (and the drain switches): `easel` and `easel_stream` (their backend).
 PUBLIC_CONFIG = r'^\s*backend\s*:\s*"easel_pipeline"'
 DRAIN_FLAG_FILE = "draining"

@@ -9,7 +9,7 @@ import time
 import numpy as np
 import triton_python_backend_utils as pb_utils
 
-from backends.core.request.contract import PREPROCESS
+from backends.core.request.contract import DRAIN_FLAG_ENV, PREPROCESS
 from backends.core.request.adapter_inputs import validate_request
 from backends.core.request.params import Limits
 from backends.triton.adapter import (each_request, error, mark, parameters, params_tensor, read_inputs,
@@ -17,11 +17,10 @@ from backends.triton.adapter import (each_request, error, mark, parameters, para
 
 log = logging.getLogger("backends.preprocess")
 
-# `easel serve` names a file here (clients/serve.py, TritonServer.drain) and creates it when it
+# `easel serve` names a file in DRAIN_FLAG_ENV (clients/serve.py, TritonServer.drain) and creates it when it
 # starts draining: from then on every request is refused at the pipeline's first step, with
 # UNAVAILABLE (gRPC) / 503 (HTTP), so clients and load balancers retry elsewhere, while the
 # requests already past this step finish.
-DRAIN_FLAG_ENV = "EASEL_DRAIN_FLAG"
 DRAINING = "the server is draining (shutting down); retry on another replica"
 
 

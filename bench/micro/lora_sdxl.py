@@ -1,6 +1,6 @@
 """LoRAs on a GPU: e2e latency of 0C/0L, 0C/1L and 0C/2L through Easel (exact and bounded merge)
 against diffusers' load_lora_weights + fuse_lora per request, with random SDXL-size LoRAs
-(~340 and ~460 MiB) read cold from local disk, in one run (issue 4, item 10).
+(~340 and ~460 MiB) read cold from local disk, in one run.
 
     python3 bench/micro/lora_sdxl.py --work /tmp/easel-lora --out $OUT/lora_sdxl.json
     python3 bench/micro/lora_sdxl.py --cpu-smoke --work /tmp/lora-smoke --out /tmp/lora-smoke.json  # tiny, CPU
@@ -10,7 +10,7 @@ diffusers/PEFT-layout files on every attention projection (to_q, to_k, to_v, to_
 feed-forward Linear (ff.net.0.proj, ff.net.2) of all 70 transformer blocks, with one uniform rank
 chosen so the fp16 file lands at the requested size. "Cold" means: before every timed request
 each LoRA file's pages are dropped from the OS page cache (posix_fadvise DONTNEED, no root
-needed for clean pages), so each load reads the file from the disk. The goal (issue 4): LoRA
+needed for clean pages), so each load reads the file from the disk. The goal: LoRA
 overhead below 5% of the 0C/0L latency; KATZ reports ~230 ms of loading and patching.
 
 The lent GPU hosts drift by seconds between requests, so each run sends 0L, 1L and 2L back to

@@ -1,6 +1,6 @@
 """The denoiser's ControlNet path reproduces StableDiffusionXLControlNetPipeline (latents, CPU fp32).
 
-Engine level, in process: the ControlNet service and its request inputs build on this (issue 3).
+Engine level, in process: the ControlNet service and its request inputs build on this.
 Tolerance: 1e-4 max abs on the final latents; batching with other requests: 1e-4 as well.
 """
 

@@ -291,7 +291,7 @@ def test_cfg_parallel_export_makes_one_denoiser_per_gpu_pair(tiny_model, tmp_pat
 
 
 def test_export_writes_the_eight_gpu_headline_placement(tiny_model, tmp_path):
-    """Issue 14's layout, checked without the GPUs: the base model on a latent-parallel pair
+    """The latent-parallel layout, checked without the GPUs: the base model on a latent-parallel pair
     (GPUs 0 and 1) and one ControlNet instance on each of GPUs 2-7, so that a step's 3 ControlNets x
     2 rows run as 6 calls at once, one per GPU. Every config.pbtxt's instance groups and GPU ids."""
     from export.cli import main

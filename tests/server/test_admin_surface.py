@@ -1,4 +1,4 @@
-"""The admin surface is closed by default (issue 11, item 1): client shared memory, logging,
+"""The admin surface is closed by default: client shared memory, logging,
 tracing and the model repository need the admin key on HTTP and gRPC; the stubs' /dev/shm
 regions are private to the server's user."""
 
@@ -42,7 +42,7 @@ def _stub_region(server) -> Path:
 
 def test_client_shared_memory_needs_the_key(triton, server):
     client, admin = triton
-    # The attack of the issue: a stub's own region registered as a client's input region.
+    # The attack: a stub's own region registered as a client's input region.
     key = "/" + _stub_region(server).name
     _refused(lambda: client.register_system_shared_memory("stolen", key, 1024))
     _refused(lambda: client.get_system_shared_memory_status())

@@ -1,4 +1,4 @@
-"""Bounded admission (issue 11): past max_running + max_queue a denoiser refuses a request at
+"""Bounded admission: past max_running + max_queue a denoiser refuses a request at
 once with UNAVAILABLE instead of queueing it without end, and so does `easel` itself past
 max_in_flight requests in flight. A flood of 64 shows it: some succeed, the rest
 are refused quickly, the server stays ready and serves the next request."""

@@ -1,4 +1,4 @@
-"""Cancellation frees the work (issue 11, item 5): once a request's deadline passes, or its client
+"""Cancellation frees the work: once a request's deadline passes, or its client
 cancels it, the denoiser drops it at its next step boundary. Shown by the denoiser's own counters
 (the steps it ran, the outcome), not only by the client's error."""
 

@@ -1,4 +1,4 @@
-"""`easel serve` as the server's supervisor (issue 11, items 2, 3, 4): a dead stub is recovered,
+"""`easel serve` as the server's supervisor: a dead stub is recovered,
 SIGTERM drains, tritonserver never outlives it, and it never reports ready for a server it did
 not start. Each test drives a real `easel serve` process of its own (not the session servers)."""
 

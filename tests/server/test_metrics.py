@@ -1,4 +1,4 @@
-"""The denoiser's queue and step metrics on the metrics port (issue 13), through a real server:
+"""The denoiser's queue and step metrics on the metrics port, through a real server:
 requests through `easel` and a flood straight into the denoiser (more than it runs at once, so
 some queue), and one it refuses; the counts on the port must match what ran."""
 

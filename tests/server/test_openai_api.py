@@ -1,4 +1,4 @@
-"""`easel openai` (issue 13, item 2): the OpenAI images API in front of a real tritonserver on the
+"""`easel openai`: the OpenAI images API in front of a real tritonserver on the
 tiny models, called with the official `openai` client and with raw HTTP for the error bodies."""
 
 from __future__ import annotations

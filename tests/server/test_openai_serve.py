@@ -1,4 +1,4 @@
-"""`easel serve --openai-port` (issue 13, item 2; `make serve OPENAI_PORT=...`): the OpenAI images API
+"""`easel serve --openai-port` (`make serve OPENAI_PORT=...`): the OpenAI images API
 started beside the server once it is ready, answering the official client and aiperf's
 image-generation benchmark (from its own venv, `make aiperf`), then drained and stopped with the
 server on SIGTERM. One `easel serve` process of its own on the tiny models."""

@@ -34,7 +34,7 @@ def test_perf_analyzer_runs_against_easel(server, tmp_path):
 
 def test_readme_command_runs_as_written(server):
     """The load-testing command of clients/perf/README.md, from the checkout, with no library path
-    set by hand (issue 11, item 9): only the server's address and the measurement windows change."""
+    set by hand: only the server's address and the measurement windows change."""
     root = INPUT.parents[2]
     text = (root / "clients" / "perf" / "README.md").read_text()
     block = re.search(r"```sh\n(.*?)```", text, re.S)[1].replace("\\\n", " ")

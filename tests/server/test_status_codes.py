@@ -1,4 +1,4 @@
-"""Each failure carries the status of what happened (issue 11, item 8): the client's mistake
+"""Each failure carries the status of what happened: the client's mistake
 INVALID_ARGUMENT / 400, an adapter the store does not hold NOT_FOUND / 404, and only our own
 faults INTERNAL / 500; messages echo at most ~100 characters of a value and a refused request
 logs one line, not a traceback."""

@@ -1,4 +1,4 @@
-"""The adapter store's promise holds after start (issue 11, item 7): a LoRA or ControlNet file
+"""The adapter store's promise holds after start: a LoRA or ControlNet file
 swapped for a symlink once the server has indexed the store is never read, whatever it points
 to; the request is refused as not found, naming the adapter, never a path."""
 

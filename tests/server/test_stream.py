@@ -1,4 +1,4 @@
-"""Progress streaming (issue 13, item 1): `easel_stream` sends a response per denoising step, with a
+"""Progress streaming: `easel_stream` sends a response per denoising step, with a
 preview every N steps, then the same image as the unary `easel`; cancelling the gRPC stream stops
 the denoiser between steps; its errors carry `easel`'s statuses; `easel generate` draws a bar."""
 

@@ -115,6 +115,9 @@ WIRE_DTYPES = {"fp32": "FP32", "fp16": "FP16", "bf16": "BF16"}
 # server's per-start secret as this request parameter; the server's environment holds it
 # (backends/triton/adapter.check_caller).
 INTERNAL_KEY_ENV = "EASEL_INTERNAL_KEY"
+# A file whose path easel serve puts in the server's environment and creates when it starts
+# draining: from then on `preprocess` refuses every request with UNAVAILABLE.
+DRAIN_FLAG_ENV = "EASEL_DRAIN_FLAG"
 INTERNAL_KEY_PARAMETER = "easel_internal_key"
 
 
