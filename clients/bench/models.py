@@ -16,7 +16,7 @@ from pathlib import Path
 
 from clients.triton_install import DEFAULT_CUDA_POOL_MIB
 
-RESULTS_DIR = Path(__file__).resolve().parent / "results"
+RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"  # the checkout's
 PROMPT = "a yellow car"
 SCHEDULER = "euler"  # Easel's name for diffusers' EulerDiscreteScheduler, the model's own
 WARMUP_STEPS = 3  # warm-up calls: compile, then CUDA-graph record, then a replay (reduce-overhead)
