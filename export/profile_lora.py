@@ -24,7 +24,7 @@ log = logging.getLogger(__name__)
 
 
 def latents_per_step(engine, encoder, params, loras) -> list[torch.Tensor]:
-    from backends.core.engine.denoiser import DenoiseJob
+    from backends.core.engine.requests import DenoiseJob
 
     embeds, pooled = encoder.encode(params)
     state = engine.start(DenoiseJob("profile", params, embeds, pooled, loras=loras))

@@ -26,7 +26,7 @@ from backends.core.serving.preview_board import MAX_KEY_LENGTH, valid_key, write
 from backends.core.adapters.controlnet import ControlInput
 from backends.core.engine.builder import build_denoiser
 from backends.core.engine.config import DenoiserConfig
-from backends.core.engine.denoiser import DenoiseJob, StepProgress
+from backends.core.engine.requests import DenoiseJob, StepProgress
 from backends.core.engine.loop import DenoiseResult, failure_kind
 from backends.core.request.adapter_inputs import decode_control_image
 from backends.core.request.contract import DENOISE_JOB, WIRE_DTYPES, controlnet_decl
@@ -87,7 +87,7 @@ class TritonPythonModel:
                                        publish_load=self.load_board.publish)
         self.lora_loads: dict[str, tuple[int, float, int]] = {}  # request id -> (count, seconds, bytes)
         engine = self.denoiser.engine
-        self.metrics = LoraMetrics(args, engine.lora_merger)
+        self.metrics = LoraMetrics(args, engine.loras.merger)
         self.control_metrics = ControlNetCallMetrics(args, engine)
         self.runtime_metrics = RuntimeMetrics(args, self.denoiser)
         self.loop = self.denoiser.loop

@@ -91,9 +91,9 @@ class ControlNetCallMetrics:
         })
 
     def update(self) -> None:
-        self.metrics.set_total("calls", self.engine.control_calls)
-        self.metrics.set_total("wait_s", self.engine.control_wait_s)
-        parts = getattr(self.engine.controlnets, "seconds", {})
+        self.metrics.set_total("calls", self.engine.controls.calls)
+        self.metrics.set_total("wait_s", self.engine.controls.wait_s)
+        parts = getattr(self.engine.controls.provider, "seconds", {})
         self.metrics.set_total("call", sum(parts.values()))
         for part, seconds in parts.items():
             self.metrics.set_total(part, seconds)

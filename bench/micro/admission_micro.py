@@ -66,7 +66,8 @@ def main() -> None:
     import torch
 
     from backends.core.engine import noise
-    from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+    from backends.core.engine.denoiser import TorchDenoiser
+    from backends.core.engine.requests import DenoiseJob
     from backends.core.engine.loop import DenoiseLoop
     from backends.core.engine.step_batcher import BatcherConfig
     from backends.core.request.params import Limits, validate
@@ -94,7 +95,7 @@ def main() -> None:
         return DenoiseJob(request_id=rid, params=params, prompt_embeds=embeds, pooled_embeds=pooled)
 
     recipe = noise.choose(placement.torch_dtype)
-    latent = (1, cfg.in_channels, args.size // engine.vae_scale_factor, args.size // engine.vae_scale_factor)
+    latent = (1, cfg.in_channels, args.size // engine.workflows["txt2img"].model.vae_scale_factor, args.size // engine.workflows["txt2img"].model.vae_scale_factor)
     generator = torch.Generator("cpu").manual_seed(0)
     draws = {"torch_randn": _times(lambda: torch.randn(latent, generator=generator, dtype=placement.torch_dtype),
                                    args.runs),

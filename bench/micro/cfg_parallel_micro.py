@@ -34,7 +34,8 @@ def main() -> None:
     import torch
 
     from backends.core.engine.builder import build_runtime, template_batch
-    from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+    from backends.core.engine.denoiser import TorchDenoiser
+    from backends.core.engine.requests import DenoiseJob
     from backends.core.request.params import Limits, validate
     from backends.core.runtime.config import RuntimeConfig
     from backends.core.runtime.placement import Placement

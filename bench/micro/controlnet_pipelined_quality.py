@@ -36,7 +36,8 @@ def main() -> None:
     from backends.core.adapters.store import AdapterStore
     from backends.core.adapters.controlnet import ControlInput, LocalControlNets
     from backends.core.adapters.controlnet_cache import ControlNetCache
-    from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+    from backends.core.engine.denoiser import TorchDenoiser
+    from backends.core.engine.requests import DenoiseJob
     from clients.bench.image_metrics import psnr, ssim
     from backends.core.request.params import Limits, validate
     from backends.core.runtime.placement import Placement
@@ -57,7 +58,7 @@ def main() -> None:
     names = sorted(store.controlnets)[:2]
 
     def image(seed: int, mode: str) -> np.ndarray:
-        engine.controlnet_mode = mode
+        engine.controls.mode = mode
         params = validate({"prompt": "a house by a lake", "seed": seed, "steps": args.steps,
                            "width": args.size, "height": args.size}, Limits(max_width=4096, max_height=4096))
         embeds, pooled = encoder.encode(params)

@@ -106,7 +106,8 @@ def main() -> None:
     from diffusers import StableDiffusionXLPipeline
 
     from backends.core.engine.builder import template_batch
-    from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+    from backends.core.engine.denoiser import TorchDenoiser
+    from backends.core.engine.requests import DenoiseJob
     from backends.core.request.params import Limits, validate
     from backends.core.runtime.artifacts import load_unet_halves
     from backends.core.runtime.config import RuntimeConfig

@@ -25,7 +25,8 @@ def main() -> None:
     start_logging()
 
     from backends.core.adapters.store import AdapterStore
-    from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+    from backends.core.engine.denoiser import TorchDenoiser
+    from backends.core.engine.requests import DenoiseJob
     from clients.bench.image_metrics import psnr, ssim
     from backends.core.adapters.lora import load_lora
     from backends.core.request.params import Limits, validate

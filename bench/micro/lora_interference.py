@@ -40,7 +40,8 @@ def main() -> None:
 
     import torch
 
-    from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+    from backends.core.engine.denoiser import TorchDenoiser
+    from backends.core.engine.requests import DenoiseJob
     from backends.core.engine.loop import DenoiseLoop
     from backends.core.adapters.lora_loader import LoraLoaderPool
     from backends.core.request.params import Limits, validate

@@ -64,7 +64,8 @@ def main() -> None:
     import torch
 
     from backends.core.engine.builder import template_batch
-    from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+    from backends.core.engine.denoiser import TorchDenoiser
+    from backends.core.engine.requests import DenoiseJob
     from backends.core.request.params import Limits, validate
     from backends.core.runtime.artifacts import load_unet_halves
     from backends.core.runtime.base import StepBatch

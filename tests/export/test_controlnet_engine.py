@@ -16,7 +16,8 @@ from PIL import Image
 from backends.core.adapters.store import AdapterStore
 from backends.core.adapters.controlnet import ControlInput, LocalControlNets
 from backends.core.adapters.controlnet_cache import ControlNetCache
-from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+from backends.core.engine.denoiser import TorchDenoiser
+from backends.core.engine.requests import DenoiseJob
 from backends.core.request.params import Limits, validate
 from backends.core.runtime.placement import Placement
 from backends.core.stages.text_encoding import PromptEncoder
@@ -105,11 +106,11 @@ def test_pipelined_mode_uses_the_previous_steps_residuals(setup):
     controls = [ControlInput("canny", hint(1), 1.0)]
     req = dict(seed=5, steps=4, width=64, height=64)
     try:
-        engine.controlnet_mode = "pipelined"
+        engine.controls.mode = "pipelined"
         first_step, _ = ours(engine, encoder, controls, **{**req, "steps": 1})
         _, pipelined = ours(engine, encoder, controls, **req)
     finally:
-        engine.controlnet_mode = "sync"
+        engine.controls.mode = "sync"
     sync_first, _ = ours(engine, encoder, controls, **{**req, "steps": 1})
     _, sync = ours(engine, encoder, controls, **req)
     assert torch.equal(first_step.latents, sync_first.latents)  # the first step waits for its own

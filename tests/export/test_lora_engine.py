@@ -10,7 +10,8 @@ import torch
 from diffusers import StableDiffusionXLPipeline
 
 from backends.core.adapters.store import AdapterStore
-from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+from backends.core.engine.denoiser import TorchDenoiser
+from backends.core.engine.requests import DenoiseJob
 from backends.core.adapters.lora import load_lora
 from backends.core.request.params import Limits, validate
 from backends.core.runtime.placement import Placement
@@ -65,7 +66,7 @@ def test_batch_mixing_lora_sets_equals_each_alone(setup):
     together = run(engine, [job(setup, f"r{i}", s, seed=i) for i, s in enumerate(sets)])
     for a, b in zip(alone, together):
         assert np.abs(a - b).max() <= TOLERANCE
-    assert engine.merged == ()  # mixed batches leave the weights at base
+    assert engine.loras.merged == ()  # mixed batches leave the weights at base
 
 
 def test_base_weights_come_back_after_lora_requests(setup):

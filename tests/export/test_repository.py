@@ -19,7 +19,8 @@ from tritonclient.grpc import model_config_pb2
 from backends.core.engine.config import DenoiserConfig
 from backends.core.request import contract
 from backends.core.runtime.artifacts import DECODER_FILE, ENCODER_FILE, UNET_DIR
-from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+from backends.core.engine.denoiser import TorchDenoiser
+from backends.core.engine.requests import DenoiseJob
 from backends.core.request.params import Limits, validate
 from backends.core.runtime.placement import Placement
 from backends.core.stages.text_encoding import PromptEncoder

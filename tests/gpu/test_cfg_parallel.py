@@ -18,7 +18,8 @@ from backends.core.adapters.lora import load_lora
 from backends.core.adapters.store import AdapterStore
 from backends.core.engine.builder import build_denoiser, build_runtime
 from backends.core.engine.config import DenoiserConfig
-from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+from backends.core.engine.denoiser import TorchDenoiser
+from backends.core.engine.requests import DenoiseJob
 from backends.core.request.params import Limits, validate
 from backends.core.runtime.base import StepBatch
 from backends.core.runtime.cfg_parallel import CfgParallelRuntime

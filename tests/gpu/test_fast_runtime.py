@@ -21,7 +21,8 @@ import torch
 
 from backends.core.adapters.lora import LoraMerger, load_lora
 from backends.core.adapters.store import AdapterStore
-from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+from backends.core.engine.denoiser import TorchDenoiser
+from backends.core.engine.requests import DenoiseJob
 from backends.core.request.params import Limits, validate
 from backends.core.runtime.artifacts import load_unet_halves
 from backends.core.runtime.base import StepBatch

@@ -18,7 +18,8 @@ from backends.core.adapters.lora import load_lora
 from backends.core.adapters.store import AdapterStore
 from backends.core.engine.builder import build_runtime, template_batch
 from backends.core.engine.config import DenoiserConfig
-from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+from backends.core.engine.denoiser import TorchDenoiser
+from backends.core.engine.requests import DenoiseJob
 from backends.core.request.params import Limits, validate
 from backends.core.runtime.base import LoraSegment, StepBatch
 from backends.core.runtime.cfg_parallel import CfgParallelRuntime, split_rows
@@ -139,7 +140,7 @@ def test_denoiser_on_two_sides_reproduces_one_side_with_a_merged_lora(repo, fold
     name = next(n for n in merged[0] if "to_q" in n)
     assert torch.equal(merged[0][name], merged[1][name])  # both copies carry the merge
     for engine in (one, two):
-        engine.lora_merger.restore()
+        engine.loras.merger.restore()
     assert torch.equal(merged[1][name], dict(one.unet.named_parameters())[name])  # both restored
 
 

@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from backends.core.engine.denoiser import DenoiseJob, TorchDenoiser
+from backends.core.engine.denoiser import TorchDenoiser
+from backends.core.engine.requests import DenoiseJob
 from backends.core.engine.loop import DenoiseLoop, DenoiseResult
 from backends.core.request.params import Limits, validate
 from backends.core.runtime.placement import Placement
@@ -282,3 +283,35 @@ def test_requests_leave_the_shared_scheduler_prototype_as_it_was(engines, schedu
         else:
             assert after[key] == value, key
     np.testing.assert_array_equal(again.latents, first.latents)
+
+
+def test_a_workflow_plugs_into_the_runner_and_an_unknown_one_is_refused(engines):
+    """A new task is a workflow file: the runner asks the job's workflow for the UNet input and
+    hands it the noise prediction. One that wraps txt2img gives txt2img's latents, stepped apart
+    from txt2img's requests (the batcher never mixes workflows)."""
+    from backends.core.engine.workflows.txt2img import Txt2Img
+
+    engine, encoder = engines
+    calls = []
+
+    class Recorded(Txt2Img):
+        name = "recorded"
+
+        def model_input(self, states):
+            calls.append(("model_input", [s.job.request_id for s in states]))
+            return super().model_input(states)
+
+        def advance(self, states, noise, failed):
+            calls.append(("advance", [s.job.request_id for s in states]))
+            super().advance(states, noise, failed)
+
+    engine.workflows["recorded"] = Recorded(engine.workflows["txt2img"].model)
+    try:
+        plain, recorded, unknown = run(engine, [job(encoder, "p"), job(encoder, "r", workflow="recorded"),
+                                                job(encoder, "u", workflow="nosuch")])
+    finally:
+        del engine.workflows["recorded"]
+    assert calls == [("model_input", ["r"]), ("advance", ["r"])] * 4
+    assert plain.error is None and recorded.error is None
+    assert np.array_equal(plain.latents, recorded.latents)  # (each stepped alone: the same kernels)
+    assert unknown.latents is None and "workflow: 'nosuch' is not one of ['recorded', 'txt2img']" in unknown.error

@@ -15,7 +15,7 @@ import torch
 
 from backends.core.engine.builder import build_denoiser, template_batch
 from backends.core.engine.config import DenoiserConfig
-from backends.core.engine.denoiser import DenoiseJob
+from backends.core.engine.requests import DenoiseJob
 from backends.core.request.params import Limits, validate
 from backends.core.runtime.artifacts import load_unet_halves
 from backends.core.runtime.base import PatchLayout, StepBatch

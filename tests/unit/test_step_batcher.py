@@ -5,6 +5,7 @@ No tensors: each test plays the executor, calling `schedule()` and reporting bac
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from collections import defaultdict
 
@@ -430,3 +431,9 @@ def test_a_policy_that_mixes_shapes_is_refused_loudly():
     s.add(seq("b", shape=B))
     with pytest.raises(RuntimeError, match="MixesShapes chose an invalid batch"):
         s.schedule()
+
+
+def test_requests_of_two_workflows_never_share_a_step():
+    s = batcher(16, 16, seq("a"), dataclasses.replace(seq("b"), workflow="inpaint"), seq("c"))
+    plans, _ = drain(s)
+    assert {p.request_ids for p in plans} == {("a", "c"), ("b",)}

@@ -10,7 +10,7 @@ import threading
 import numpy as np
 from PIL import Image
 
-from backends.core.engine.denoiser import StepProgress
+from backends.core.engine.requests import StepProgress
 from backends.core.engine.loop import DenoiseLoop, DenoiseResult
 from backends.core.stages.preview import SDXL_RGB_BIAS, preview_pixels, preview_png
 from tests.unit.test_denoise_loop import engines, job  # noqa: F401  (engines: a fixture)

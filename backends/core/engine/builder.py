@@ -67,8 +67,8 @@ class Denoiser:
         if self.lora_loader is not None:
             self.lora_loader.shutdown()
         self.loop.shutdown()
-        if self.engine.controlnets is not None:
-            self.engine.controlnets.shutdown()
+        if self.engine.controls.provider is not None:
+            self.engine.controls.provider.shutdown()
 
 
 def build_runtime(folder: Path, placement: Placement, config: RuntimeConfig,
@@ -119,7 +119,7 @@ def build_denoiser(config: DenoiserConfig, folder: str | Path, placement: Placem
                            controlnet_row_split=config.controlnet_row_split)
     store = AdapterStore(store_folder) if store_folder else None
     if controlnets is not None and config.controlnet_model:
-        engine.controlnets = controlnets(engine, store)
+        engine.controls.provider = controlnets(engine, store)
     warmup_s = warm_up(engine, config.runtime)
     # LoRA files load in separate processes (diffusers' conversion never holds this process's
     # GIL; a loader that crashes fails its request only): backends/core/adapters/lora_loader.py.
@@ -140,7 +140,7 @@ def warm_up(engine: TorchDenoiser, config: RuntimeConfig) -> float:
         return 0.0
     with engine.on_stream():
         seconds = warmup(template_batch(engine.unet, engine.device, engine.dtype), config.warmup_sizes,
-                         with_residuals=config.warmup_residuals and engine.controlnets is not None)
+                         with_residuals=config.warmup_residuals and engine.controls.provider is not None)
     log.info("runtime %s: warmed up %s x rows %s in %.1f s", config.kind, list(config.warmup_sizes),
              list(config.row_buckets), seconds)
     return seconds

@@ -18,8 +18,53 @@ from dataclasses import dataclass
 import torch
 
 from backends.core.adapters.controlnet import ControlCall, ResidualProvider, sum_residuals
+from backends.core.engine.config import CONTROLNET_MODES
 from backends.core.request.params import InvalidInput
 from backends.core.runtime.base import PlacedResiduals, Residuals
+
+
+class ControlNetSteps:
+    """The ControlNet calls of the engine's steps, in its mode: `sync` (step t's residuals from step
+    t's latents: exact) or `pipelined` (step t uses the calls submitted at step t-1, which then ran
+    beside a whole step: approximate). Counts the calls and the time the decoder half waited for
+    them (the part not hidden beside the encoder half)."""
+
+    def __init__(self, provider: ResidualProvider | None, mode: str = "sync", split_rows: bool = False,
+                 stream=None, side_devices: tuple = ()):
+        if mode not in CONTROLNET_MODES:
+            raise ValueError(f"controlnet_mode: {mode!r} is not one of {CONTROLNET_MODES}")
+        self.provider, self.mode, self.split_rows = provider, mode, split_rows
+        self.stream, self.side_devices = stream, side_devices
+        self.wait_s = 0.0
+        self.calls = 0
+
+    def check(self, name: str) -> None:
+        """An unknown ControlNet fails its request at admission, before any step."""
+        if self.provider is None:
+            raise ValueError("controlnets: this denoiser has no adapter store")
+        self.provider.check(name)
+
+    def submit(self, states, sample: torch.Tensor, timestep: torch.Tensor, sides) -> list[list["ControlPart"]]:
+        """This step's calls (to run beside the encoder half); pipelined: the previous step's."""
+        ready = None
+        if self.stream is not None and any(s.controls for s in states):
+            ready = torch.cuda.Event()  # the calls read the step's latents once the engine's stream wrote them
+            ready.record(self.stream)
+        pending = submit_controls(self.provider, states, sample, timestep, sides, self.side_devices, ready,
+                                  split_rows=self.split_rows)
+        if self.mode == "pipelined":
+            used = []
+            for s, fresh in zip(states, pending):
+                used.append(fresh if s.stale_controls is None else s.stale_controls)
+                s.stale_controls = fresh
+            pending = used
+        return pending
+
+    def collect(self, states, pending, sides, adopt, failed: dict) -> Residuals | PlacedResiduals | None:
+        collected = collect_controls(states, pending, sides, self.side_devices, adopt, failed)
+        self.wait_s += collected.wait_s
+        self.calls += collected.calls
+        return collected.residuals
 
 
 @dataclass

@@ -21,7 +21,8 @@ from typing import Callable
 
 import numpy as np
 
-from backends.core.engine.denoiser import DenoiseJob, RequestState, StepProgress, TorchDenoiser
+from backends.core.engine.denoiser import TorchDenoiser
+from backends.core.engine.requests import DenoiseJob, RequestState, StepProgress
 from backends.core.request.params import InvalidInput, UnknownAdapter
 from backends.core.engine.step_batcher import BatcherConfig, SeqState, Status, StepOutput, StepBatcher
 from backends.core.engine.step_stats import LoopStats
@@ -194,7 +195,8 @@ class DenoiseLoop:
             state = self.engine.start(job)
             state.admit_s = time.monotonic() - started
             seq = SeqState(request_id=job.request_id, steps=len(state.timesteps),
-                           shape=tuple(state.latents.shape[-2:]), rows=state.rows, arrival=job.arrival)
+                           shape=tuple(state.latents.shape[-2:]), rows=state.rows, arrival=job.arrival,
+                           workflow=job.workflow)
             self.batcher.add(seq)
         except Exception as exc:
             if failure_kind(exc) == "failed":  # our fault: its traceback (refusals: the adapter logs one line)

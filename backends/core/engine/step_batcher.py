@@ -6,8 +6,8 @@ requests. Plain Python over dataclasses, no tensors: tested on CPU with fake out
 The batcher keeps the books (waiting and running sets, ticks, bound waits); a `Policy` decides
 who is admitted and who steps. `Fcfs`, the default: requests are admitted in arrival order while
 the running set has room; each step serves the running request that has waited longest since its
-own last step, batched with every other running request of the same latent shape (up to the
-row budget). Requests join before any step and leave after any step; shapes interleave.
+own last step, batched with every other running request of the same latent shape and workflow
+(up to the row budget). Requests join before any step and leave after any step; shapes interleave.
 (diffusers' noise schedules, the other "schedulers", are engine/diffusers_schedulers.py.)
 """
 
@@ -35,6 +35,7 @@ class SeqState:
     shape: tuple[int, int]  # latent (height, width): requests batch only with equal shapes
     rows: int  # UNet batch rows this request takes (2 with classifier-free guidance)
     arrival: float
+    workflow: str = "txt2img"  # requests batch only within one workflow (engine/workflows/)
     steps_done: int = 0
     status: Status = Status.WAITING
     error: str | None = None
@@ -83,8 +84,8 @@ class Policy(Protocol):
         """Which waiting requests join the running set now (at most `room`), in joining order."""
 
     def select(self, runnable: Sequence[SeqState], max_rows: int) -> list[SeqState]:
-        """The next step's batch: runnable requests of one latent shape, `max_rows` rows at most,
-        never empty when `runnable` is not."""
+        """The next step's batch: runnable requests of one latent shape and one workflow,
+        `max_rows` rows at most, never empty when `runnable` is not."""
 
 
 class Fcfs:
@@ -99,7 +100,8 @@ class Fcfs:
 
         lead = min(runnable, key=staleness)
         batch, rows = [], 0
-        for seq in sorted((s for s in runnable if s.shape == lead.shape), key=staleness):
+        for seq in sorted((s for s in runnable if (s.shape, s.workflow) == (lead.shape, lead.workflow)),
+                          key=staleness):
             if rows + seq.rows > max_rows:
                 break
             batch.append(seq)
@@ -167,7 +169,7 @@ class StepBatcher:
             return None
 
         batch = self.policy.select(tuple(runnable), self.config.max_batch_rows)
-        shapes = {s.shape for s in batch}
+        shapes = {(s.shape, s.workflow) for s in batch}
         if not batch or len(shapes) != 1 or sum(s.rows for s in batch) > self.config.max_batch_rows \
                 or any(s not in runnable for s in batch):
             raise RuntimeError(f"policy {type(self.policy).__name__} chose an invalid batch "

@@ -1,0 +1,45 @@
+"""What a workflow is to the denoiser's runner (engine/denoiser.py).
+
+The runner assembles a step: it asks the batch's workflow for the UNet's input, runs the UNet
+halves with the step's ControlNet residuals and LoRAs, and hands the noise prediction back to the
+workflow, which owns what follows (guidance, the sampler, any blend with a template). A workflow
+also owns admission: the job's checks and its per-request state. Text-to-image is `txt2img`; an
+editing task (inpainting, template edits, patches) is another file beside it, registered in
+workflows/__init__.py.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from backends.core.engine.controls import ControlNetSteps
+from backends.core.engine.diffusers_schedulers import SchedulerPrototypes
+from backends.core.engine.requests import DenoiseJob, RequestState
+
+
+@dataclass(frozen=True)
+class Model:
+    """What workflows read of the engine's model: where it computes and its dimensions."""
+
+    device: torch.device
+    dtype: torch.dtype
+    unet_config: Any  # the UNet's diffusers config (channels, text and pooled widths)
+    vae_scale_factor: int
+    schedulers: SchedulerPrototypes
+    controls: ControlNetSteps
+
+
+class Workflow(Protocol):
+    name: str
+
+    def start(self, job: DenoiseJob) -> RequestState:
+        """Admission: the job checked (InvalidInput naming the field) and its state made."""
+
+    def model_input(self, states: list[RequestState]) -> tuple[torch.Tensor, torch.Tensor]:
+        """The UNet's sample rows and their timesteps for this step, requests in order."""
+
+    def advance(self, states: list[RequestState], noise: torch.Tensor, failed: dict) -> None:
+        """After the UNet: each request not in `failed` moves to its next latents."""
