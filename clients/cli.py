@@ -69,9 +69,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: %(default)s)")
     s.add_argument("--admin-key-file", type=Path, metavar="FILE",
                    help="file holding the admin key that opens the restricted APIs (client "
-                        "shared memory, logging, tracing, model repository, statistics) to "
-                        "requests with header easel-admin-key; or set EASEL_ADMIN_KEY. "
-                        "Without either they stay closed")
+                        "shared memory, logging, tracing, model repository) to requests with "
+                        "header easel-admin-key; or set EASEL_ADMIN_KEY. Without either they "
+                        "stay closed. Statistics stay open: perf_analyzer reads them, and the "
+                        "metrics port publishes the same counters")
     s.add_argument("--max-restarts", type=int, metavar="N",
                    help="stop once tritonserver (or the OpenAI API) needed N restarts within ten "
                         "minutes (default: keep restarting, waiting up to 60 s between restarts)")

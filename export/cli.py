@@ -57,15 +57,17 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="easel")
     sub = p.add_subparsers(dest="command", required=True)
 
-    tiny = sub.add_parser("tiny", help="write a tiny random SDXL-architecture pipeline (diffusers layout)")
-    tiny.add_argument("dir")
+    tiny = sub.add_parser("tiny", help="write a tiny random SDXL-architecture pipeline (diffusers layout) and "
+                                       "an adapter store for it")
+    tiny.add_argument("dir", help="the pipeline's folder (model_index.json, unet/, vae/, text encoders, ...)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--variant", default="default",
                       help="default | alt (another configuration, for tests) | sdxl (full SDXL sizes, for GPUs)")
     tiny.add_argument("--device", default="cpu", help="where to initialise the weights (cuda for --variant sdxl)")
     tiny.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
     tiny.add_argument("--adapters", default=None,
-                      help="where to write the adapter store with two tiny ControlNets (default: DIR/adapters)")
+                      help="where to write the adapter store: tiny ControlNets canny and depth, LoRAs papercut, "
+                           "inkwash and charcoal (default: DIR/adapters)")
 
     exp = sub.add_parser("export", help="diffusers SDXL folder -> Triton model repository")
     exp.add_argument("--model", required=True, help="a diffusers StableDiffusionXLPipeline folder")

@@ -1,4 +1,6 @@
-"""A request's admission on the denoise loop's thread, in one process (no Triton): what
+"""Decides whether a request's admission (noise, sampler, copies) runs on the loop's thread beside running requests.
+
+A request's admission on the denoise loop's thread, in one process (no Triton): what
 `TorchDenoiser.start` costs and where its time goes (cProfile), and the queue before a request's
 first step through the real DenoiseLoop. In the server the same figures are `admit_s` and
 `queue_s` of a response's info; this tells whether their size there is the work itself or the

@@ -1,4 +1,6 @@
-"""What a BLS call costs when it moves ControlNet-sized GPU tensors between two Python models.
+"""Decides how ControlNet residuals cross between models (BLS tensors or a CUDA IPC mailbox) and the size of Triton's CUDA pool.
+
+What a BLS call costs when it moves ControlNet-sized GPU tensors between two Python models.
 
 A `residual_source` model returns `parts` fp16 CUDA tensors of `mib` MiB in all (a ControlNet's
 residuals at 1024 px and CFG are ~100 MiB in 11 tensors); a `driver` model calls it by BLS

@@ -1,4 +1,6 @@
-"""Latent parallelism in process (no server): one GPU against a GPU pair, SDXL-base shapes with
+"""Decides whether latent parallelism (the two halves of guidance on two GPUs) pays for its copies.
+
+Latent parallelism in process (no server): one GPU against a GPU pair, SDXL-base shapes with
 random fp16 weights, same run.
 
 For each setup (the one-GPU runtime with guidance's two rows on it; the pair, one row on each

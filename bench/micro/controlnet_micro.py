@@ -1,4 +1,6 @@
-"""One ControlNet call, eager against CUDA graphs and graphs of compiled code
+"""Decides whether the ControlNet service runs its models as CUDA graphs (of eager or compiled code).
+
+One ControlNet call, eager against CUDA graphs and graphs of compiled code
 (backends/core/adapters/controlnet_graphs.py), in process: an SDXL-size ControlNet with random fp16
 weights at 1024 px, on one or two rows. GPU time (CUDA events, median) and back-to-back wall time
 per call, the largest difference from eager, and the seconds the first compiled call took.

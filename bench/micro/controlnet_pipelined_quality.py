@@ -1,4 +1,6 @@
-"""How far the pipelined ControlNet mode (step t uses residuals of step t-1's latents) lands from
+"""Decides whether the approximate pipelined ControlNet mode is offered, and with what stated deviation.
+
+How far the pipelined ControlNet mode (step t uses residuals of step t-1's latents) lands from
 the exact sync mode: PSNR and SSIM of the decoded images over several seeds.
 
     python3 bench/micro/controlnet_pipelined_quality.py --work /tmp/easel-pq --out pq.json            # tiny, CPU

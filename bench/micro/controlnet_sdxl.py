@@ -1,4 +1,6 @@
-"""ControlNet-as-a-Service on GPUs: e2e latency with 0, 1 and 2 ControlNets (SDXL-size UNet and
+"""Decides where the ControlNet service runs (its own GPU or the UNet's), against the Gustafson ideal.
+
+ControlNet-as-a-Service on GPUs: e2e latency with 0, 1 and 2 ControlNets (SDXL-size UNet and
 ControlNets, random weights), with the ControlNet service on its own GPU and on the UNet's GPU,
 against diffusers' StableDiffusionXLControlNetPipeline (serial) in the same run.
 

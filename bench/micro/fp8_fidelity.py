@@ -1,4 +1,6 @@
-"""How far FP8 (backends/core/runtime/fp8.py) moves SDXL's UNet, on any device: diffusers' own
+"""Decides whether FP8 products are accurate enough for SDXL's UNet.
+
+How far FP8 (backends/core/runtime/fp8.py) moves SDXL's UNet, on any device: diffusers' own
 UNet of SDXL-base size with random weights, its transformer blocks' products swapped for the FP8
 ones and calibrated as the runtime does (on the text export writes), against the same UNet exact.
 No runtime, graphs or compile: this measures the quantization alone (bench/micro/fp8_probe.py measures

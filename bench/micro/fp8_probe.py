@@ -1,4 +1,6 @@
-"""Does FP8 pay for the UNet, and what does it cost the image? The runtime's FP8 mode
+"""Decides whether the FP8 runtime mode pays for what it costs the image.
+
+Does FP8 pay for the UNet, and what does it cost the image? The runtime's FP8 mode
 (RuntimeConfig.fp8, backends/core/runtime/fp8.py: the transformer blocks' products in e4m3 with
 per-tensor scales, the inputs' calibrated at load on the calibration data export writes) under the
 compiled runtime, against the same runtime in fp16, in one process on one GPU. SDXL-base shapes,

@@ -1,4 +1,6 @@
-"""Which of FP8's input-scaling choices moves SDXL's noise: the runtime's FP8 products (runtime/fp8.py)
+"""Decides which input scaling the FP8 products use.
+
+Which of FP8's input-scaling choices moves SDXL's noise: the runtime's FP8 products (runtime/fp8.py)
 under four variants, the calibrated range with 4x headroom (shipped) or none, times the input's
 multiplier in fp32 (shipped) or in fp16 (the first version), each against the exact fp16 path on
 a batch of random N(0, 1) text and one of the calibration's encoder text.

@@ -1,4 +1,6 @@
-"""What `easel serve`'s gRPC front (clients/grpc_front.py) costs a request: the same requests to
+"""Decides whether easel serve's gRPC front process is cheap enough to stand in front of every request.
+
+What `easel serve`'s gRPC front (clients/grpc_front.py) costs a request: the same requests to
 tritonserver's own gRPC port and through the front, alternated, on the tiny model at 1024 px
 (the image is the largest message; one step, so that the hop is not lost in the denoising), with
 and without a 1024 px control image in the request.

@@ -1,4 +1,6 @@
-"""How far a LoRA merged late (at step k instead of before step 0, as bounded asynchronous
+"""Decides the LoRA bound's default (how many steps a request may run before its LoRAs merge).
+
+How far a LoRA merged late (at step k instead of before step 0, as bounded asynchronous
 loading may do) lands from the exact result: PSNR and SSIM of decoded images over seeds.
 
     python3 bench/micro/lora_bound_quality.py --work /tmp/easel-lq --out lq.json      # tiny, CPU

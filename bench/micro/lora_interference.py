@@ -1,4 +1,6 @@
-"""How much LoRA loads slow the denoiser's step loop while they run beside it: a request without
+"""Decides whether LoRAs load in processes of their own, and at which priority.
+
+How much LoRA loads slow the denoiser's step loop while they run beside it: a request without
 LoRAs, alone and with files loading in the loader processes (for another request), alternated.
 For each request: the mean step time over its first --window steps (where the loads run) less
 the mean over its steps after 2 x --window (the same request's own pace); the interference is

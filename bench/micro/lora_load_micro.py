@@ -1,4 +1,6 @@
-"""How long the LoRA loader pool takes to hand a request its LoRAs, cold from disk, in process (no
+"""Decides the LoRA loader pool's shape (processes, workers, read size).
+
+How long the LoRA loader pool takes to hand a request its LoRAs, cold from disk, in process (no
 server): the planned path (the worker converts the file's header, this process reads the file
 straight onto the device) against the converted one (the worker reads and converts the tensors
 and hands them over through /dev/shm), on the same random SDXL-size LoRAs (~340 and ~460 MiB).

@@ -1,4 +1,6 @@
-"""What slows a planned LoRA read beside the other threads of its process (in the server, the
+"""Decides how a LoRA file is read beside the other threads of its process.
+
+What slows a planned LoRA read beside the other threads of its process (in the server, the
 denoiser's): the same read (`shm_tensors.read_tensors` onto the GPU through two pinned chunks, as
 the loader's feeder thread does it), cold, on a thread of this process, beside:
 

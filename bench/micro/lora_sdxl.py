@@ -1,4 +1,6 @@
-"""LoRAs on a GPU: e2e latency of 0C/0L, 0C/1L and 0C/2L through Easel (exact and bounded merge)
+"""Decides bounded asynchronous LoRA merging against waiting for the LoRAs (exact), end to end.
+
+LoRAs on a GPU: e2e latency of 0C/0L, 0C/1L and 0C/2L through Easel (exact and bounded merge)
 against diffusers' load_lora_weights + fuse_lora per request, with random SDXL-size LoRAs
 (~340 and ~460 MiB) read cold from local disk, in one run.
 

@@ -1,4 +1,6 @@
-"""Where a request's time goes between the models of the `easel` pipeline, for a few single
+"""Decides which model of the pipeline to make faster next.
+
+Where a request's time goes between the models of the `easel` pipeline, for a few single
 requests through gRPC: what each model reports of its own work (`info`: the denoiser's queue, each
 stage's seconds), what Triton counts for each model (its per-model statistics: queue, and compute
 from the inputs' copy in to the outputs' copy out, per request), and what is left of the server's

@@ -1,4 +1,6 @@
-"""The fused kernels of plugins/ against torch on SDXL's shapes: eager unfused ops, our Triton
+"""Decides which fused kernels (GroupNorm+SiLU, GEGLU) the runtime uses.
+
+The fused kernels of plugins/ against torch on SDXL's shapes: eager unfused ops, our Triton
 op, and torch.compile (default mode) of the unfused function, per shape.
 
     python3 bench/micro/plugins_micro.py --out $OUT/plugins_micro.json [--dtype fp16]

@@ -1,4 +1,6 @@
-"""Where a denoising step's time goes, per UNet runtime, in process (no server): SDXL-base shapes
+"""Decides which UNet runtime (eager, graphs, compiled) is the default.
+
+Where a denoising step's time goes, per UNet runtime, in process (no server): SDXL-base shapes
 with random fp16 weights on one GPU.
 
 For each runtime (eager, graphs, compiled) and row count: the encoder half, the decoder half and

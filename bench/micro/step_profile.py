@@ -1,4 +1,6 @@
-"""Where a UNet step's GPU time goes, by kind of kernel: matrix products, convolutions, attention,
+"""Decides which kernels of a step to fuse or replace next, and inductor's options.
+
+Where a UNet step's GPU time goes, by kind of kernel: matrix products, convolutions, attention,
 norms, layout changes, inductor's fused kernels, other element-wise work. SDXL-base shapes with
 random fp16 weights, one request with guidance (2 rows) by default, in process (no server).
 

@@ -1,4 +1,6 @@
-"""Stream stress: `easel_stream` under requests it refuses at a high rate beside normal and
+"""Decides that easel_stream's refusals cannot crash the server (the gRPC front, the stub's locks).
+
+Stream stress: `easel_stream` under requests it refuses at a high rate beside normal and
 cancelled streams, on the tiny CPU models, until it fails or the time is up.
 
 Each client thread runs one kind of request in a loop, as fast as the server answers:

@@ -1,4 +1,6 @@
-"""The VAE decoder and the image encode, per variant, in process (no server): SDXL's VAE with
+"""Decides the VAE decoder's variant (dtype, layout, attention) and the image files' encoder settings.
+
+The VAE decoder and the image encode, per variant, in process (no server): SDXL's VAE with
 random weights on one GPU, one 1024x1024 image (a [1, 4, 128, 128] latent).
 
 Variants are a dtype (fp32, SDXL's VAE as diffusers runs it, upcast; bf16, fp32's range at half
