@@ -18,6 +18,22 @@ from backends.core.engine.samplers import SamplerPlan
 from backends.core.request.params import GenerateParams
 
 
+@dataclass(frozen=True)
+class EditInputs:
+    """What an edit (inpainting) brings besides its text: the VAE encoder's distributions of the
+    template and of the template with its masked region blanked (the Gaussian's mean and std per
+    latent, before the VAE's scaling factor: the denoiser draws their samples, in diffusers' order
+    on the request's generator), and the mask at latent size (1: repaint, 0: keep)."""
+
+    image_mean: np.ndarray  # [1, latent channels, h, w]
+    image_std: np.ndarray
+    masked_mean: np.ndarray
+    masked_std: np.ndarray
+    mask: np.ndarray  # [1, 1, h, w] of 0 and 1
+    scaling_factor: float  # the VAE's
+    strength: float = 1.0  # how far the template is noised before denoising starts (1: pure noise)
+
+
 @dataclass
 class DenoiseJob:
     """One request as the denoiser receives it (text already encoded, negative rows first)."""
@@ -40,6 +56,7 @@ class DenoiseJob:
     on_step: Callable[["StepProgress"], None] | None = None
     preview_every: int = 0
     workflow: str = "txt2img"  # which engine/workflows/ plug-in runs it
+    edit: EditInputs | None = None  # the inpaint workflow's inputs
 
 
 @dataclass(frozen=True)

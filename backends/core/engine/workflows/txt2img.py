@@ -37,30 +37,43 @@ class Txt2Img:
 
     def start(self, job: DenoiseJob) -> RequestState:
         m, p = self.model, job.params
-        rows = 2 if p.cfg else 1
-        # Checked here, before the request joins a batch: embeddings of another shape would fail
-        # the whole batch's step, everyone's (the denoiser can be called directly, with anything).
-        cfg = m.unet_config
+        self.check_text(job)
+        sched = m.schedulers.shared(p.scheduler, p.steps)
+        generator = torch.Generator("cpu").manual_seed(p.seed)
+        h, w = self.latent_shape(p)
+        latents = noise.randn_like_diffusers((1, m.unet_config.in_channels, h, w), generator, m.device, m.dtype)
+        latents = latents * sched.init_noise_sigma
+        if vectorizable(sched):  # the plan reads the shared scheduler; nothing steps it
+            plan, step_kwargs = SamplerPlan.from_scheduler(sched, p.steps, generator), {}
+        else:  # diffusers steps the request's own copy
+            sched, plan = m.schedulers.fresh(p.scheduler, p.steps), None
+            step_kwargs = self.step_kwargs(sched, generator)
+        return self.state(job, sched, sched.timesteps, latents, step_kwargs, plan)
+
+    def check_text(self, job: DenoiseJob) -> None:
+        """Checked before the request joins a batch: embeddings of another shape would fail the
+        whole batch's step, everyone's (the denoiser can be called directly, with anything)."""
+        cfg, rows = self.model.unet_config, 2 if job.params.cfg else 1
         for name, array, shape in (("prompt_embeds", job.prompt_embeds, (rows, TEXT_TOKENS, cfg.cross_attention_dim)),
                                    ("pooled_embeds", job.pooled_embeds, (rows, unet_pooled_dim(cfg)))):
             if tuple(array.shape) != shape:
                 raise InvalidInput(name, f"has shape {tuple(array.shape)}, expected {shape} for these params")
-        sched = m.schedulers.shared(p.scheduler, p.steps)
-        generator = torch.Generator("cpu").manual_seed(p.seed)
-        h, w = self.latent_shape(p)
-        latents = noise.randn_like_diffusers((1, cfg.in_channels, h, w), generator, m.device, m.dtype)
-        latents = latents * sched.init_noise_sigma
-        step_kwargs = {}
-        if vectorizable(sched):  # the plan reads the shared scheduler; nothing steps it
-            plan = SamplerPlan.from_scheduler(sched, p.steps, generator)
-        else:  # diffusers steps the request's own copy
-            sched, plan = m.schedulers.fresh(p.scheduler, p.steps), None
-            accepted = set(inspect.signature(sched.step).parameters)
-            if "eta" in accepted:
-                step_kwargs["eta"] = 0.0
-            if "generator" in accepted:
-                step_kwargs["generator"] = generator
 
+    @staticmethod
+    def step_kwargs(sched, generator) -> dict:
+        """What diffusers' pipelines pass the scheduler's step (prepare_extra_step_kwargs)."""
+        accepted, kwargs = set(inspect.signature(sched.step).parameters), {}
+        if "eta" in accepted:
+            kwargs["eta"] = 0.0
+        if "generator" in accepted:
+            kwargs["generator"] = generator
+        return kwargs
+
+    def state(self, job: DenoiseJob, sched, timesteps, latents, step_kwargs, plan, cls=RequestState, **fields):
+        """The request's state: its sampler and latents as given, its text, time ids and control
+        images on the device."""
+        m, p = self.model, job.params
+        rows = 2 if p.cfg else 1
         controls = []
         for i, c in enumerate(job.controls):
             m.controls.check(c.name)  # unknown names fail here, before any step
@@ -71,11 +84,11 @@ class Txt2Img:
         # Every copy from pinned memory: admitted beside running requests, it must not wait for their steps.
         time_ids = to_device(torch.tensor([[p.height, p.width, 0, 0, p.height, p.width]], dtype=m.dtype
                                           ).repeat(rows, 1), m.device)
-        return RequestState(
-            job=job, workflow=self, scheduler=sched, timesteps=sched.timesteps, latents=latents,
+        return cls(
+            job=job, workflow=self, scheduler=sched, timesteps=timesteps, latents=latents,
             embeds=to_device(torch.from_numpy(job.prompt_embeds), m.device).to(m.dtype),
             pooled=to_device(torch.from_numpy(job.pooled_embeds), m.device).to(m.dtype),
-            time_ids=time_ids, step_kwargs=step_kwargs, controls=controls, plan=plan)
+            time_ids=time_ids, step_kwargs=step_kwargs, controls=controls, plan=plan, **fields)
 
     def model_input(self, states):
         if all(s.plan is not None for s in states):

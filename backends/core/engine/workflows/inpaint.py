@@ -1,0 +1,111 @@
+"""Inpainting: diffusers' StableDiffusionXLInpaintPipeline.__call__ (no crop padding, no
+denoising_start), written out per request.
+
+A template's masked region is repainted, the rest kept. For a base UNet (4 input channels) the
+latents outside the mask are replaced after each step by the template's latents noised to the
+next timestep; an inpainting UNet (9 channels) takes [latents, mask, masked-template latents] as
+its input and nothing is blended. `strength` below 1 starts from the template noised to an
+earlier timestep, skipping the first steps.
+
+Exact against the pipeline with the same seed: the request's CPU generator draws in the
+pipeline's order (the template's latent sample when the UNet has 4 channels or strength < 1, the
+noise, the masked template's latent sample, then the sampler's own draws), and each request
+steps diffusers' own scheduler (its begin index at the first step kept), never a vectorized plan.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from backends.core.engine import noise
+from backends.core.engine.requests import DenoiseJob, EditInputs, RequestState
+from backends.core.engine.workflows.txt2img import Txt2Img
+from backends.core.request.params import InvalidInput
+from backends.core.runtime.host_copies import to_device
+
+UNET_CHANNELS = (4, 9)  # a base UNet (blended after each step), an inpainting UNet (mask as input)
+
+
+@dataclass
+class InpaintState(RequestState):
+    image_latents: torch.Tensor | None = None  # the template's, scaled
+    noise: torch.Tensor | None = None  # the first draw of noise, which the blend re-noises the template with
+    mask: torch.Tensor | None = None  # [1, 1, h, w]
+    masked_latents: torch.Tensor | None = None  # the masked template's, scaled
+
+
+class Inpaint(Txt2Img):
+    name = "inpaint"
+
+    def start(self, job: DenoiseJob) -> RequestState:
+        m, p, edit = self.model, job.params, job.edit
+        channels = m.unet_config.in_channels
+        if channels not in UNET_CHANNELS:
+            raise ValueError(f"inpainting needs a UNet of {' or '.join(map(str, UNET_CHANNELS))} input channels, "
+                             f"not {channels}")
+        if job.controls:
+            raise InvalidInput("controlnets", "are not supported with inpainting")
+        self.check_text(job)
+        self._check_edit(edit, self.latent_shape(p))
+        sched = m.schedulers.fresh(p.scheduler, p.steps)
+        # diffusers' get_timesteps: the first steps that strength leaves out are skipped.
+        t_start = max(p.steps - min(int(p.steps * edit.strength), p.steps), 0)
+        timesteps = sched.timesteps[t_start * sched.order:]
+        if len(timesteps) < 1:
+            raise InvalidInput("strength", f"{edit.strength} leaves no step of {p.steps}")
+        if hasattr(sched, "set_begin_index"):
+            sched.set_begin_index(t_start * sched.order)
+        generator = torch.Generator("cpu").manual_seed(p.seed)
+        full = edit.strength == 1.0
+        image_latents = self._sample(edit.image_mean, edit.image_std, edit.scaling_factor, generator) \
+            if channels == 4 or not full else None
+        drawn = noise.randn_like_diffusers(edit.image_mean.shape, generator, m.device, m.dtype)
+        latents = drawn * sched.init_noise_sigma if full else sched.add_noise(image_latents, drawn, timesteps[:1])
+        masked_latents = self._sample(edit.masked_mean, edit.masked_std, edit.scaling_factor, generator)
+        mask = to_device(torch.from_numpy(edit.mask), m.device).to(m.dtype)
+        return self.state(job, sched, timesteps, latents, self.step_kwargs(sched, generator), None, cls=InpaintState,
+                          image_latents=image_latents, noise=drawn, mask=mask, masked_latents=masked_latents)
+
+    def _check_edit(self, edit: EditInputs | None, shape: tuple[int, int]) -> None:
+        if edit is None:
+            raise InvalidInput("image", "inpainting needs an image and a mask_image")
+        if not 0.0 < edit.strength <= 1.0:
+            raise InvalidInput("strength", f"{edit.strength} is outside (0, 1]")
+        latents = (1, self.model.unet_config.out_channels, *shape)
+        for name, array, want in (("image", edit.image_mean, latents), ("image", edit.image_std, latents),
+                                  ("image", edit.masked_mean, latents), ("image", edit.masked_std, latents),
+                                  ("mask_image", edit.mask, (1, 1, *shape))):
+            if tuple(array.shape) != want:
+                raise InvalidInput(name, f"encodes to {tuple(array.shape)}, not {want} for these params")
+        if not np.isin(edit.mask, (0.0, 1.0)).all():
+            raise InvalidInput("mask_image", "is not binary (0 keeps, 1 repaints)")
+
+    def _sample(self, mean: np.ndarray, std: np.ndarray, scaling_factor: float, generator) -> torch.Tensor:
+        """The VAE's latent sample (DiagonalGaussianDistribution.sample: one draw of the generator),
+        scaled as the pipeline's _encode_vae_image scales it."""
+        m = self.model
+        mean, std = (to_device(torch.from_numpy(a), m.device).to(m.dtype) for a in (mean, std))
+        return scaling_factor * (mean + std * noise.randn_like_diffusers(mean.shape, generator, m.device, m.dtype))
+
+    def model_input(self, states):
+        x, t = super().model_input(states)
+        if self.model.unet_config.in_channels == 9:  # [latents, mask, masked template] on every row
+            extra = torch.cat([torch.cat([s.mask, s.masked_latents], dim=1).expand(s.rows, -1, -1, -1)
+                               for s in states])
+            x = torch.cat([x, extra], dim=1)
+        return x, t
+
+    def advance(self, states, noise_pred, failed) -> None:
+        super().advance(states, noise_pred, failed)
+        if self.model.unet_config.in_channels != 4:
+            return
+        for s in states:  # keep the template outside the mask, noised to the next step's level
+            if s.job.request_id in failed:
+                continue
+            proper = s.image_latents
+            if s.index < len(s.timesteps) - 1:
+                proper = s.scheduler.add_noise(proper, s.noise, s.timesteps[s.index + 1:s.index + 2])
+            s.latents = (1 - s.mask) * proper + s.mask * s.latents
