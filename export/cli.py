@@ -62,7 +62,7 @@ def parser() -> argparse.ArgumentParser:
     tiny.add_argument("dir", help="the pipeline's folder (model_index.json, unet/, vae/, text encoders, ...)")
     tiny.add_argument("--seed", type=int, default=0)
     tiny.add_argument("--variant", default="default",
-                      help="default | alt (another configuration, for tests) | sdxl (full SDXL sizes, for GPUs)")
+                      help="default | alt (another configuration, for tests) | inpaint (the default with a 9-channel inpainting UNet) | sdxl (full SDXL sizes, for GPUs)")
     tiny.add_argument("--device", default="cpu", help="where to initialise the weights (cuda for --variant sdxl)")
     tiny.add_argument("--dtype", choices=("fp32", "fp16", "bf16"), default="fp32")
     tiny.add_argument("--adapters", default=None,

@@ -25,8 +25,8 @@ import torch
 
 logger = logging.getLogger(__name__)
 
-VARIANTS = ("default", "alt")  # tiny ones, for tests and the demo
-ALL_VARIANTS = (*VARIANTS, "sdxl")
+VARIANTS = ("default", "alt")  # tiny text-to-image ones, for tests and the demo
+ALL_VARIANTS = (*VARIANTS, "inpaint", "sdxl")
 
 _SDXL_BETAS = dict(
     num_train_timesteps=1000, beta_start=0.00085, beta_end=0.012, beta_schedule="scaled_linear",
@@ -63,6 +63,9 @@ _CONFIGS = {
                  sample_size=96, scaling_factor=0.18215),
         scheduler="DDIMScheduler",
     ),
+    # An inpainting UNet (9 input channels: latents, mask, masked-image latents) on the default's
+    # components, as SDXL's inpainting checkpoints are.
+    "inpaint": dict(unet_in_channels=9),
     # Full SDXL-base sizes with random weights: the same code path at real cost, for GPU
     # benchmarks (no model hub here). ~2.6B UNet parameters: build it with device="cuda".
     "sdxl": dict(
@@ -145,12 +148,18 @@ def _text_config(vocab: dict[str, int], pad_token: str, **kw):
     )
 
 
+def _config(variant: str) -> dict:
+    """A variant's knobs; `inpaint` is the default's with its UNet's input widened."""
+    cfg = _CONFIGS[variant]
+    return {**_CONFIGS["default"], **cfg} if variant == "inpaint" else cfg
+
+
 def unet_kwargs(variant: str) -> dict:
     """The UNet2DConditionModel arguments of a variant (SDXL's layout: text-time embedding, linear
     projections, the two text encoders' widths)."""
-    cfg = _CONFIGS[variant]
+    cfg = _config(variant)
     u = cfg["unet"]
-    return dict(in_channels=4, out_channels=4, use_linear_projection=True, addition_embed_type="text_time",
+    return dict(in_channels=cfg.get("unet_in_channels", 4), out_channels=4, use_linear_projection=True, addition_embed_type="text_time",
                 cross_attention_dim=cfg["te1"]["hidden_size"] + cfg["te2"]["hidden_size"],
                 projection_class_embeddings_input_dim=6 * u["addition_time_embed_dim"] + cfg["te2"]["projection_dim"],
                 **u)
@@ -171,7 +180,7 @@ def write_tiny_pipeline(out_dir: str | os.PathLike, seed: int = 0, variant: str 
     out = pathlib.Path(out_dir)
     if out.exists() and (not out.is_dir() or any(out.iterdir())):
         raise ValueError(f"refusing to write tiny pipeline into non-empty path {out}")
-    cfg = _CONFIGS[variant]
+    cfg = _config(variant)
     vocab, merges = _vocab_and_merges()
 
     with tempfile.TemporaryDirectory() as tmp:

@@ -37,6 +37,9 @@ class Txt2Img:
 
     def start(self, job: DenoiseJob) -> RequestState:
         m, p = self.model, job.params
+        if m.unet_config.in_channels != m.unet_config.out_channels:
+            raise InvalidInput("image", f"this model's UNet takes {m.unet_config.in_channels} input channels (an "
+                                        "inpainting UNet): a request needs an image and a mask_image")
         self.check_text(job)
         sched = m.schedulers.shared(p.scheduler, p.steps)
         generator = torch.Generator("cpu").manual_seed(p.seed)
