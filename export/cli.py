@@ -7,14 +7,15 @@ import logging
 import sys
 
 
-def _positive_ints(flag: str):
+def int_list(flag: str, minimum: int = 1):
+    """An argparse type: a comma-separated list of integers, each `minimum` or more."""
     def parse(text: str) -> tuple[int, ...]:
         try:
             values = tuple(int(v) for v in text.split(",") if v.strip())
         except ValueError:
             raise argparse.ArgumentTypeError(f"{flag}: {text!r} is not a comma-separated list of integers") from None
-        if not values or min(values) < 1:
-            raise argparse.ArgumentTypeError(f"{flag}: {text!r} must list positive integers")
+        if not values or min(values) < minimum:
+            raise argparse.ArgumentTypeError(f"{flag}: {text!r} must list integers of {minimum} or more")
         return values
     return parse
 
@@ -113,10 +114,10 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--runtime", choices=("eager", "graphs", "compiled"), default=None,
                      help="how the UNet runs: eager, CUDA graphs per bucket, or compiled + graphs "
                           "(default: compiled on cuda, eager on cpu)")
-    exp.add_argument("--row-buckets", type=_positive_ints("--row-buckets"), default=None,
+    exp.add_argument("--row-buckets", type=int_list("--row-buckets"), default=None,
                      help="UNet row counts captured as graphs (default 2,4,8,16; a step with guidance takes 2 a "
                           "request; with --cfg-parallel 1,2,4,8, as each GPU runs half the rows)")
-    exp.add_argument("--warmup-sizes", type=_positive_ints("--warmup-sizes"), default=(),
+    exp.add_argument("--warmup-sizes", type=int_list("--warmup-sizes"), default=(),
                      help="square image sizes (px) whose graphs are captured (and compiled) before ready, e.g. 1024")
     exp.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                      help="UNet in channels_last memory format (default: with --runtime compiled, where it pays)")

@@ -15,6 +15,7 @@ import tempfile
 from pathlib import Path
 
 from clients.triton_install import DEFAULT_CUDA_POOL_MIB
+from export.cli import int_list
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"  # the checkout's
 PROMPT = "a yellow car"
@@ -38,13 +39,13 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help="denoising steps of the latency requests (50)")
     p.add_argument("--throughput-steps", type=int, default=None, help="steps of the throughput requests (30)")
     p.add_argument("--runs", type=int, default=None, help="timed single requests per system (5)")
-    p.add_argument("--concurrency", type=int_list, default=None, help="concurrency levels, comma-separated (1,2,4,8)")
+    p.add_argument("--concurrency", type=int_list("--concurrency", 0), default=None, help="concurrency levels, comma-separated (1,2,4,8)")
     p.add_argument("--throughput-rounds", type=int, default=None,
                    help="Easel: rounds of c concurrent requests per level (default max(2, 8 // c); smoke 2); "
                         "diffusers makes one batched call per level")
     p.add_argument("--runtime", choices=("eager", "graphs", "compiled"), default=None,
                    help="Easel's UNet runtime (export --runtime; default: export's, compiled on a GPU)")
-    p.add_argument("--row-buckets", type=int_list, default=None,
+    p.add_argument("--row-buckets", type=int_list("--row-buckets", 0), default=None,
                    help="Easel: UNet row counts captured at load (default: export's, 2,4,8,16)")
     p.add_argument("--fused-kernels", action="store_true", help="Easel with plugins' fused GroupNorm+SiLU and GEGLU")
     p.add_argument("--vae-dtype", choices=("fp32", "fp16", "bf16"), default=None,
@@ -58,12 +59,12 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--configs", type=config_list, default=None,
                    help="several configurations in one run, e.g. 0C/0L,1C/1L,3C/2L (instead of --controlnets "
                         "and --loras); each is measured in turn into the same results")
-    p.add_argument("--controlnet-gpus", type=int_list, default=None,
+    p.add_argument("--controlnet-gpus", type=int_list("--controlnet-gpus", 0), default=None,
                    help="GPU ids of Easel's ControlNet service (default: the denoisers' GPUs)")
     p.add_argument("--cfg-parallel", type=gpu_pairs, default=(),
                    help="Easel with latent parallelism: one denoiser per GPU pair, e.g. 0:1 (export --cfg-parallel; "
                         "instead of --gpus)")
-    p.add_argument("--gpus", type=int_list, default=None, help="Easel's GPU ids (one denoiser each; default 0); "
+    p.add_argument("--gpus", type=int_list("--gpus", 0), default=None, help="Easel's GPU ids (one denoiser each; default 0); "
                    "diffusers runs on the first")
     p.add_argument("--skip-easel", action="store_true", help="keep Easel's results already in --out")
     p.add_argument("--skip-diffusers-eager", action="store_true", help="keep those already in --out")
@@ -106,16 +107,6 @@ def config_list(text: str) -> tuple[tuple[int, int], ...]:
     if not out:
         raise argparse.ArgumentTypeError("--configs: no configuration given")
     return tuple(out)
-
-
-def int_list(text: str) -> tuple[int, ...]:
-    try:
-        values = tuple(int(x) for x in text.split(",") if x.strip())
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if not values or min(values) < 0:
-        raise argparse.ArgumentTypeError(f"{text!r}: give one or more non-negative integers")
-    return values
 
 
 @dataclasses.dataclass(frozen=True)
