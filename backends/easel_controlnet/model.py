@@ -8,13 +8,16 @@ misses, load time and its resident set as Prometheus metrics on Triton's metrics
 
 import easel_bootstrap  # noqa: F401  (first: backends/triton/bootstrap.py, copied beside this file)
 
+import json
 import time
 
+import numpy as np
 import torch
 import triton_python_backend_utils as pb_utils
 from diffusers import ControlNetModel  # noqa: F401  (pay the import when loading, not at the first miss)
 
-from backends.triton.bls_controlnets import sync_current_stream, to_triton
+from backends.triton.bls_controlnets import MAILBOX, MAILBOX_EVENT, sync_current_stream, to_triton
+from backends.core.adapters.cuda_ipc import Description, OpenedMailboxes, layout
 from backends.core.adapters.store import AdapterStore
 from backends.core.adapters.controlnet import ControlCall, check_call, run_controlnet
 from backends.core.adapters.controlnet_graphs import ControlNetGraphs
@@ -106,10 +109,17 @@ class TritonPythonModel:
         self.sessions = ControlSessions(int(params.get("session_bytes", DEFAULT_SESSION_BYTES)))
         self.metrics = _CacheMetrics(args)
         self.compute_seconds = 0.0
+        # Mailbox calls (backends/core/adapters/cuda_ipc.py): callers' mailboxes and events, and
+        # ours that says a call's residuals are written, one per caller's GPU.
+        self.opened = OpenedMailboxes()
+        self.written: dict[int, torch.cuda.Event] = {}
+        self.timings: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []  # mailbox calls' GPU time, pending
+        self.outputs = [o["name"] for o in json.loads(args["model_config"])["output"] if o["name"] != MAILBOX_EVENT]
 
     def execute(self, requests):
         # marked: the denoisers call this model by BLS, which loses the status code (MARKS)
         responses = each_request(requests, self._run, "controlnet", marked=True)
+        self._collect_timings()
         self.metrics.update(self.cache, self.compute_seconds, self.graphs, self.sessions)
         return responses
 
@@ -122,8 +132,20 @@ class TritonPythonModel:
         name = scalar(pb_utils.get_input_tensor_by_name(request, "name").as_numpy()).decode()
         scale = float(_tensor(request, "scale").reshape(-1)[0])
         self.cache.store.controlnet(name)  # a clear error for a name the store does not hold
-        dtype = self.placement.torch_dtype
+        mailbox = _optional(request, MAILBOX)
+        if mailbox is not None:
+            return self._run_by_mailbox(request, name, scale, mailbox)
+        for needed in ("sample", "timestep"):
+            if _optional(request, needed) is None:
+                raise InvalidInput(needed, f"is needed (or a {MAILBOX})")
         sample, timestep = _tensor(request, "sample"), _tensor(request, "timestep")
+        down, mid = self._compute(request, name, scale, sample, timestep)
+        sync_current_stream(mid)
+        self.compute_seconds += time.perf_counter() - start
+        return [*(to_triton(f"down_{i}", d) for i, d in enumerate(down)), to_triton("mid", mid)]
+
+    def _compute(self, request, name: str, scale: float, sample: torch.Tensor, timestep: torch.Tensor):
+        dtype = self.placement.torch_dtype
         constants, key = self._constants(request)
         # Sizes first: nothing is copied to the GPU or kept for a call no request of this deployment makes.
         check_call(ControlCall(name, scale, constants[0], sample, timestep, *constants[1:]), self.limits)
@@ -134,12 +156,56 @@ class TritonPythonModel:
                            time_ids)
         model = self.cache.acquire(name)
         try:
-            down, mid = self.graphs.run(model, call) if self.graphs else run_controlnet(model, call)
+            return self.graphs.run(model, call) if self.graphs else run_controlnet(model, call)
         finally:
             self.cache.release(name)
-        sync_current_stream(mid)
-        self.compute_seconds += time.perf_counter() - start
-        return [*(to_triton(f"down_{i}", d) for i, d in enumerate(down)), to_triton("mid", mid)]
+
+    def _run_by_mailbox(self, request, name: str, scale: float, mailbox):
+        """Latents from the caller's mailbox, once its event says they are written (our streams wait
+        on the GPU), and the residuals back into it; the response carries the event that says they
+        are there. Nothing here waits on the host for the GPU."""
+        if self.device.type != "cuda":
+            raise InvalidInput(MAILBOX, "needs an instance on a GPU")
+        description = Description.decode(scalar(mailbox.as_numpy()), torch.cuda.device_count())
+        names = [s.name for s in description.slots]
+        if names != ["sample", "timestep", *self.outputs]:
+            raise InvalidInput(MAILBOX, f"names {names}, not sample, timestep, {', '.join(self.outputs)}")
+        caller = torch.device("cuda", description.device)
+        memory = self.opened.memory(caller, description.memory)
+        offsets, _ = layout(list(description.slots))
+        views = [memory.tensor(o, s.shape, s.dtype) for o, s in zip(offsets, description.slots)]
+        ready = self.opened.event(caller, description.inputs_ready)
+        ours = torch.cuda.current_stream(self.device)
+        # A copy between GPUs runs on the source's stream, so the caller's device's stream waits for
+        # the latents; ours waits on an event of that stream's, since torch 2.11 crashes waiting on
+        # an interprocess event from a stream of another device (a segfault, no error).
+        theirs = torch.cuda.current_stream(caller)
+        theirs.wait_event(ready)
+        if caller != self.device:
+            ours.wait_event(theirs.record_event())
+        began = torch.cuda.Event(enable_timing=True)
+        began.record(ours)
+        down, mid = self._compute(request, name, scale, views[0], views[1])
+        for view, residual in zip(views[2:], (*down, mid)):
+            if view.shape != residual.shape:
+                raise InvalidInput(MAILBOX, f"has room for {tuple(view.shape)} where the residual is "
+                                            f"{tuple(residual.shape)}")
+            view.copy_(residual)
+        ended = torch.cuda.Event(enable_timing=True)
+        ended.record(ours)
+        self.timings.append((began, ended))
+        written = self.written.get(caller.index)
+        if written is None:
+            written = self.written[caller.index] = torch.cuda.Event(interprocess=True)
+        written.record(torch.cuda.current_stream(caller))  # (after the copies: that stream waited on ours)
+        handle = np.frombuffer(bytes(written.ipc_handle()), dtype=np.uint8)
+        return [pb_utils.Tensor(MAILBOX_EVENT, handle.copy())]
+
+    def _collect_timings(self) -> None:
+        """Mailbox calls' GPU time, added to compute_seconds once their events are done."""
+        while self.timings and self.timings[0][1].query():
+            began, ended = self.timings.pop(0)
+            self.compute_seconds += began.elapsed_time(ended) / 1e3
 
     def _constants(self, request) -> tuple[tuple[torch.Tensor, ...], str | None]:
         """The call's image, embeddings and time ids, and the session to keep them under once the

@@ -78,7 +78,8 @@ class TritonPythonModel:
 
         def controlnets(engine, store):  # the ControlNet service, by BLS
             decl = controlnet_decl(num_skips(engine.unet), WIRE_DTYPES[where.dtype])
-            return BlsControlNets(config.controlnet_model, decl, store, instances=config.controlnet_instances)
+            return BlsControlNets(config.controlnet_model, decl, store, instances=config.controlnet_instances,
+                                  unet_config=engine.unet.config)
 
         # Its outstanding work, for the public models' routers (backends/core/serving/load_board.py).
         self.load_board = LoadWriter(self.name)

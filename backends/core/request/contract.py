@@ -128,13 +128,15 @@ def controlnet_decl(num_skips: int, dtype: str = "FP32") -> ModelDecl:
     fp32 at 1024 px), so they cross in the engines' precision, on the device where they live.
     `session` names one ControlNet of one request: the constants (image, embeddings, time ids)
     sent with it are kept by the instance, and a later call of the session may leave them out
-    (backends/core/adapters/control_sessions.py). Without a session every call carries them."""
-    step = (_t("sample", dtype, -1, -1, -1, -1), _t("timestep", "FP32", -1))
+    (backends/core/adapters/control_sessions.py). Without a session every call carries them.
+    On GPUs `sample` and `timestep` stay in the caller's mailbox and the residuals go back there:
+    `mailbox` describes it and `mailbox_event` is the answer (backends/core/adapters/cuda_ipc.py)."""
+    step = (_t("sample", dtype, -1, -1, -1, -1, optional=True), _t("timestep", "FP32", -1, optional=True))
     constants = (_t("prompt_embeds", dtype, -1, -1, -1, optional=True), _t("pooled_embeds", dtype, -1, -1, optional=True),
                  _t("time_ids", dtype, -1, -1, optional=True), _t("image", dtype, -1, 3, -1, -1, optional=True))
     return ModelDecl(
         inputs=(_t("name", "BYTES", 1), _t("scale", "FP32", 1), *step, *constants,
-                _t("session", "BYTES", 1, optional=True)),
+                _t("session", "BYTES", 1, optional=True), _t("mailbox", "BYTES", 1, optional=True)),
         outputs=(*(_t(f"down_{i}", dtype, -1, -1, -1, -1) for i in range(num_skips)),
-                 _t("mid", dtype, -1, -1, -1, -1)),
+                 _t("mid", dtype, -1, -1, -1, -1), _t("mailbox_event", "UINT8", 64)),
     )

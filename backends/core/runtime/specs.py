@@ -208,6 +208,14 @@ def unet_num_skips(unet_config) -> int:
     return len(unet_skip_shapes(unet_config))
 
 
+def controlnet_residual_shapes(unet_config, rows: int, height: int, width: int) -> list[tuple[int, int, int, int]]:
+    """The shapes of a ControlNet's residuals for `rows` latents of height x width: one per skip,
+    then the mid block's (each downsampler halves a side, rounding up)."""
+    levels = len(_get(unet_config, "block_out_channels"))
+    mid = (_get(unet_config, "block_out_channels")[-1], levels - 1)
+    return [(rows, ch, -(-height // 2 ** lv), -(-width // 2 ** lv)) for ch, lv in (*unet_skip_shapes(unet_config), mid)]
+
+
 def _text_dims(unet_config) -> tuple[int, int]:
     text_dim = _get(unet_config, "cross_attention_dim")
     if not isinstance(text_dim, int):
