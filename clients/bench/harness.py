@@ -150,6 +150,33 @@ def metrics_snapshot(port: int) -> dict[str, dict[str, float]]:
     return dict(sorted(scrape_metrics(port, prefixes=METRIC_PREFIXES).items()))
 
 
+# Families that must hold every step of the requests answered so far before a snapshot is a
+# boundary between phases: on a GPU the denoiser reads a step's times once its events complete
+# (at a later step, or when the loop idles) and publishes them every half second, so a snapshot
+# taken as a response arrives may lack the last steps of that request and hold none of them yet.
+SETTLING = ("easel_denoiser_step_rows_count", "easel_controlnet_calls_total")
+SETTLE_QUIET_S = 1.5  # three of the adapter's publishing periods
+SETTLE_TIMEOUT_S = 30.0
+
+
+def settled_snapshot(read, quiet_s: float = SETTLE_QUIET_S, timeout_s: float = SETTLE_TIMEOUT_S,
+                     sleep=time.sleep) -> dict[str, dict[str, float]]:
+    """`read()` again until SETTLING's totals stay the same over `quiet_s` (or `timeout_s` passes)."""
+    def counts(snapshot):
+        return tuple(_total(snapshot, name) for name in SETTLING)
+
+    snapshot, waited = read(), 0.0
+    while waited < timeout_s:
+        sleep(quiet_s)
+        waited += quiet_s
+        again = read()
+        if counts(again) == counts(snapshot):
+            return again
+        snapshot = again
+    log.warning("metrics still moving after %.0f s: a phase's figures may take in its neighbour's steps", timeout_s)
+    return snapshot
+
+
 def _total(snapshot: dict | None, name: str) -> float | None:
     values = (snapshot or {}).get(name)
     return sum(values.values()) if values else None
@@ -328,7 +355,7 @@ def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> No
             start = time.perf_counter()
             client.generate("warm up", steps=2, seed=0, **request)
             rec["warmup_request_s"] = time.perf_counter() - start
-            rec["metrics"]["after_warmup"] = metrics_snapshot(server.metrics_port)
+            rec["metrics"]["after_warmup"] = settled_snapshot(lambda: metrics_snapshot(server.metrics_port))
             rec["latency_s"], rec["infos"] = [], []
             for seed in range(setup.runs):
                 start = time.perf_counter()
@@ -347,7 +374,7 @@ def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> No
             stages.append({**(i.get("stages_s") or {}), **{k: v for k, v in beside.items() if v is not None}})
         rec["stages_median_s"] = {k: float(np.median([s[k] for s in stages if k in s]))
                                   for k in sorted({k for s in stages for k in s})}
-        rec["metrics"]["after_latency"] = metrics_snapshot(server.metrics_port)
+        rec["metrics"]["after_latency"] = settled_snapshot(lambda: metrics_snapshot(server.metrics_port))
         rec["controlnet_per_call"] = controlnet_breakdown(rec["metrics"]["after_warmup"], rec["metrics"]["after_latency"])
         rec["controlnet_ideal"] = controlnet_ideal(rec["metrics"]["after_warmup"], rec["metrics"]["after_latency"],
                                                    setup.controlnets, rec["controlnet_per_call"])
@@ -357,7 +384,7 @@ def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> No
         for c in setup.concurrency:
             rec["throughput"][str(c)] = easel_throughput(server.url_grpc, c, setup, request)
             save()
-        rec["metrics"]["after_throughput"] = metrics_snapshot(server.metrics_port)
+        rec["metrics"]["after_throughput"] = settled_snapshot(lambda: metrics_snapshot(server.metrics_port))
         rec["runtime_steps"] = {k: _total(rec["metrics"]["after_throughput"], f"easel_runtime_{k}_total")
                                 for k in ("graph_steps", "eager_steps", "captures")}
     except BaseException:

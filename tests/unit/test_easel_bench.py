@@ -226,3 +226,20 @@ def test_shared_compile_cache_links_the_compiling_models_and_voids_cold_start(tm
     entry["easel"]["shared_compile_cache"] = str(shared)
     entry = bench_report.finalize(entry)
     assert entry["cold_start_first_s"] is None and entry["cold_start_second_s"] is None
+
+
+def test_a_phase_boundary_waits_for_the_steps_to_be_published():
+    # The denoiser publishes a step's times after the response that step belonged to: a
+    # snapshot at the response lacks the last steps (the 2026-11-28 1C/0L run counted 241 of 250).
+    def snap(steps, calls):
+        return {"easel_denoiser_step_rows_count": {'model="d0"': steps},
+                "easel_controlnet_calls_total": {'model="d0"': calls}}
+
+    readings = iter([snap(239, 250), snap(248, 250), snap(250, 250), snap(250, 250), snap(251, 251)])
+    slept = []
+    got = easel_bench.settled_snapshot(lambda: next(readings), quiet_s=1.5, sleep=slept.append)
+    assert got == snap(250, 250) and slept == [1.5, 1.5, 1.5]
+
+    moving = iter(snap(i, i) for i in range(100))
+    got = easel_bench.settled_snapshot(lambda: next(moving), quiet_s=1.0, timeout_s=3.0, sleep=lambda s: None)
+    assert got == snap(3, 3)  # gives up (with a warning) after the timeout
