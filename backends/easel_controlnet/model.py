@@ -19,7 +19,7 @@ from diffusers import ControlNetModel  # noqa: F401  (pay the import when loadin
 from backends.triton.bls_controlnets import MAILBOX, MAILBOX_EVENT, sync_current_stream, to_triton
 from backends.core.adapters.cuda_ipc import Description, OpenedMailboxes, layout
 from backends.core.adapters.store import AdapterStore
-from backends.core.adapters.controlnet import ControlCall, check_call, run_controlnet
+from backends.core.adapters.controlnet import ControlCall, check_call, embed_image, run_controlnet
 from backends.core.adapters.controlnet_graphs import ControlNetGraphs
 from backends.core.adapters.control_sessions import CONSTANTS, MAX_KEY_CHARS, ControlSessions
 from backends.core.request.params import InvalidInput, Limits, UnknownAdapter
@@ -30,8 +30,8 @@ from backends.triton.adapter import (
     version_folder)
 
 
-# Sessions an instance keeps (a request's image, embeddings and time ids: 13 MB at 1024 px in fp16
-# with guidance), least recently used evicted first.
+# Sessions an instance keeps (a request's control image embedded, embeddings and time ids: 21.6 MB
+# at 1024 px in fp16 with guidance), least recently used evicted first.
 DEFAULT_SESSION_BYTES = 1 << 30
 
 
@@ -95,14 +95,15 @@ class TritonPythonModel:
         # (a repository exported before the service had limits gets the defaults' bounds)
         self.limits = limits(args) if "limits" in params else Limits()
         self.device = torch.device(self.placement.device)
-        self.cache = ControlNetCache(AdapterStore(adapter_store_folder(args)), self.placement,
-                                     budget_bytes=int(params["cache_bytes"]))
         # On a fast runtime each resident ControlNet runs as CUDA graphs, one per call shape, over
-        # compiled code if the UNet's runtime is `compiled`.
+        # compiled code if the UNet's runtime is `compiled`, with the UNet's exact rewrites.
         # (a repository exported before `runtime` has `graphs`: true meant CUDA graphs)
         runtime = params.get("runtime") or ("graphs" if params.get("graphs") == "true" else "eager")
+        fast = runtime != "eager" and self.device.type == "cuda"
+        self.cache = ControlNetCache(AdapterStore(adapter_store_folder(args)), self.placement,
+                                     budget_bytes=int(params["cache_bytes"]), fast=fast)
         self.graphs = None
-        if runtime != "eager" and self.device.type == "cuda":
+        if fast:
             if runtime == "compiled":
                 use_compile_cache(version_folder(args) / "compile_cache")
             self.graphs = ControlNetGraphs(compiled=runtime == "compiled")
@@ -146,16 +147,18 @@ class TritonPythonModel:
 
     def _compute(self, request, name: str, scale: float, sample: torch.Tensor, timestep: torch.Tensor):
         dtype = self.placement.torch_dtype
-        constants, key = self._constants(request)
+        constants, key, kept = self._constants(request, name)
         # Sizes first: nothing is copied to the GPU or kept for a call no request of this deployment makes.
-        check_call(ControlCall(name, scale, constants[0], sample, timestep, *constants[1:]), self.limits)
-        image, embeds, pooled, time_ids = constants = tuple(t.to(self.device, dtype) for t in constants)
-        if key is not None:
-            self.sessions.put(key, constants)
-        call = ControlCall(name, scale, image, sample.to(self.device, dtype), timestep.to(self.device), embeds, pooled,
-                           time_ids)
+        check_call(ControlCall(name, scale, constants[0], sample, timestep, *constants[1:]), self.limits, kept)
         model = self.cache.acquire(name)
         try:
+            if not kept:  # the image's embedding is kept, not the image: it is the same at every step
+                image, embeds, pooled, time_ids = (t.to(self.device, dtype) for t in constants)
+                constants = (embed_image(model, image), embeds, pooled, time_ids)
+                if key is not None:
+                    self.sessions.put(key, constants)
+            call = ControlCall(name, scale, constants[0], sample.to(self.device, dtype), timestep.to(self.device),
+                               *constants[1:])
             return self.graphs.run(model, call) if self.graphs else run_controlnet(model, call)
         finally:
             self.cache.release(name)
@@ -207,20 +210,21 @@ class TritonPythonModel:
             began, ended = self.timings.pop(0)
             self.compute_seconds += began.elapsed_time(ended) / 1e3
 
-    def _constants(self, request) -> tuple[tuple[torch.Tensor, ...], str | None]:
-        """The call's image, embeddings and time ids, and the session to keep them under once the
-        call passes its checks: given (where they arrived), or those its session was given earlier
-        (on our device; nothing to keep again)."""
+    def _constants(self, request, name: str) -> tuple[tuple[torch.Tensor, ...], str | None, bool]:
+        """The call's image, embeddings and time ids, the key to keep them under once the call
+        passes its checks, and whether they were kept: given (where they arrived), or what its
+        session of this ControlNet kept of them earlier (on our device; nothing to keep again)."""
         given = [_optional(request, n) for n in CONSTANTS]
         session = _optional(request, "session")
         key = scalar(session.as_numpy()).decode(errors="replace") if session is not None else None
         if key is not None and not 0 < len(key) <= MAX_KEY_CHARS:
             raise InvalidInput("session", f"has {len(key)} characters, outside 1 to {MAX_KEY_CHARS}")
+        kept_as = f"{name}\n{key}"  # an embedding is its ControlNet's
         if all(t is not None for t in given):
-            return tuple(torch.from_dlpack(t.to_dlpack()) for t in given), key
+            return tuple(torch.from_dlpack(t.to_dlpack()) for t in given), kept_as if key is not None else None, False
         if any(t is not None for t in given) or key is None:
             raise InvalidInput("image", f"give {', '.join(CONSTANTS)} together, or name a session that was given them")
-        kept = self.sessions.get(key)
+        kept = self.sessions.get(kept_as)
         if kept is None:  # the caller sends them again (backends/triton/bls_controlnets.py)
-            raise UnknownAdapter("session", f"this instance holds no session {key!r}")
-        return kept, None
+            raise UnknownAdapter("session", f"this instance holds no session {key!r} of ControlNet {name!r}")
+        return kept, None, True

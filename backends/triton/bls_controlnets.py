@@ -32,7 +32,7 @@ from backends.core.runtime.specs import controlnet_residual_shapes
 from backends.core.request.contract import ModelDecl
 from backends.core.request.params import InvalidInput, UnknownAdapter
 from backends.triton.adapter import ForwardedError, internal_parameters
-from backends.core.adapters.controlnet import ControlCall, Residuals
+from backends.core.adapters.controlnet import ControlCall, Delivered
 
 
 MAX_SESSIONS = 4096  # sessions remembered as sent (a request has one per ControlNet)
@@ -80,10 +80,10 @@ class BlsControlNets:
     def check(self, name: str) -> None:
         self.store.controlnet(name)
 
-    def submit(self, call: ControlCall) -> "Future[Residuals]":
+    def submit(self, call: ControlCall) -> "Future[Delivered]":
         return self.pool.submit(self._call, call)
 
-    def _call(self, call: ControlCall) -> Residuals:
+    def _call(self, call: ControlCall) -> Delivered:
         start = time.perf_counter()
         device = torch.device(call.device) if call.device is not None else call.sample.device
         by_mailbox = device.type == "cuda" and call.sample.is_cuda and self.unet_config is not None
@@ -104,7 +104,7 @@ class BlsControlNets:
                     return self._empty_mailbox(response, views, device)
                 out = {t.name(): to_torch(t).to(device) for t in response.output_tensors()}
                 sync_current_stream(out["mid"])  # the copies are done before the response's buffers go back
-                return [out[n] for n in self.outputs[:-1]], out["mid"]
+                return Delivered(([out[n] for n in self.outputs[:-1]], out["mid"]))
             finally:
                 end = time.perf_counter()
                 executed = executed or end  # (a request that failed spent the rest in it)
@@ -132,16 +132,15 @@ class BlsControlNets:
         inputs_ready.record(stream)
         return views, Description(device.index, handle, bytes(inputs_ready.ipc_handle()), tuple(slots))
 
-    def _empty_mailbox(self, response, views: list[torch.Tensor], device: torch.device) -> Residuals:
-        """The residuals the service wrote into the mailbox, copied out once its event says they are
-        there (a wait on the GPU), so that the mailbox can take this thread's next call. Returns
-        when they are on the GPU (a host wait on this thread, not the loop's)."""
+    def _empty_mailbox(self, response, views: list[torch.Tensor], device: torch.device) -> Delivered:
+        """The residuals the service writes into the mailbox, copied out once its event says they are
+        there, so that the mailbox can take this thread's next call (it is written on this stream,
+        after the copies). Nothing waits on the host: the denoiser's stream waits for the copies."""
         written = bytes(pb_utils.get_output_tensor_by_name(response, MAILBOX_EVENT).as_numpy().tobytes())
         stream = torch.cuda.current_stream(device)
         stream.wait_event(self.events.event(device, written))
         down, mid = [v.clone() for v in views[2:-1]], views[-1].clone()
-        stream.synchronize()
-        return down, mid
+        return Delivered((down, mid), stream.record_event())
 
     def _sends_constants(self, call: ControlCall) -> bool:
         with self._lock:
@@ -199,7 +198,8 @@ class BlsControlNets:
             place = (lambda t: t.cpu()) if mailbox is not None else (lambda t: t)
             inputs += [to_triton("prompt_embeds", place(call.embeds)), to_triton("pooled_embeds", place(call.pooled)),
                        to_triton("time_ids", place(call.time_ids)), to_triton("image", place(call.image))]
-        sync_current_stream(call.sample)  # to_triton's contiguous copies
+        if mailbox is None:
+            sync_current_stream(call.sample)  # to_triton's contiguous copies (beside a mailbox: none on a GPU)
         # Residuals straight into our GPU's memory (Triton's default would follow the producer's).
         where = {"preferred_memory": pb_utils.PreferredMemory(pb_utils.TRITONSERVER_MEMORY_GPU, device.index)} \
             if device.type == "cuda" and mailbox is None else {}

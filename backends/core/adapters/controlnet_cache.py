@@ -48,6 +48,9 @@ class ControlNetCache:
     budget_bytes: int
     aging_period: int = 256
     loader: Callable[[str], tuple[Any, int]] | None = None  # name -> (model, bytes); default: from the store
+    # On a GPU, the rewrites the UNet's fast runtimes make (channels_last, packed attention
+    # projections: runtime/packed_attention.py): exact, the same residuals from fewer, fuller kernels.
+    fast: bool = False
     stats: CacheStats = field(default_factory=CacheStats)
 
     def __post_init__(self):
@@ -129,6 +132,8 @@ class ControlNetCache:
         from diffusers import ControlNetModel
         from safetensors.torch import load_file
 
+        from backends.core.adapters.controlnet import keep_embedding  # (that module imports this one)
+
         entry = self.store.controlnet(name)
         # Both files read from descriptors opened without following symlinks (store.StoreFile),
         # never by their paths: the store may have changed since it was scanned.
@@ -152,4 +157,10 @@ class ControlNetCache:
         else:
             state = {k: v.to(dtype) for k, v in state.items()}
         model.load_state_dict(state, strict=True, assign=True)
+        keep_embedding(model)
+        if self.fast and device.type == "cuda":
+            from backends.core.runtime.packed_attention import pack_attention
+
+            model.to(memory_format=torch.channels_last)
+            pack_attention(model)  # (after any .to(): the packed weights are views that a move would copy apart)
         return model.eval(), sum(v.numel() * v.element_size() for v in state.values())

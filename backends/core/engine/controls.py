@@ -121,9 +121,11 @@ def collect_controls(states, pending: list[list[ControlPart]], sides: tuple[int,
         got = []
         try:
             for part in parts:
-                results = [f.result() for f in part.futures]
-                adopt(t for down, m in results for t in (*down, m))  # made on a BLS thread's stream
-                got.append((part, sum_residuals(results)))
+                delivered = [f.result() for f in part.futures]
+                # made on a BLS thread's stream (and maybe not yet written): before anything reads them
+                adopt((t for d in delivered for t in (*d.residuals[0], d.residuals[1])),
+                      [(d.written, d.residuals[1].device) for d in delivered if d.written is not None])
+                got.append((part, sum_residuals([d.residuals for d in delivered])))
         except Exception as exc:  # this request's ControlNet failed: it alone leaves
             # (a client's mistake or an adapter not found stays that, for its status code)
             failed[s.job.request_id] = exc if isinstance(exc, InvalidInput) else f"controlnet: {exc}"

@@ -136,12 +136,15 @@ class TorchDenoiser:
         self._adopt(t for lora, _ in loras for layer in lora.unet.values() for t in (layer.down, layer.up))
         return loras
 
-    def _adopt(self, tensors) -> None:
+    def _adopt(self, tensors, written=()) -> None:
         """Tensors allocated on another thread's stream and read on ours: the allocator must not
         reuse their memory before our stream is done with them. It tracks memory by block, and a
-        LoRA's hundreds of tensors are views of one buffer: one call per buffer does."""
+        LoRA's hundreds of tensors are views of one buffer: one call per buffer does. `written`:
+        (event, device) pairs our stream on that device waits for (on the GPU) before reading."""
         if self.stream is None:
             return
+        for event, device in written:
+            self.streams[device].wait_event(event)
         blocks = {}
         for tensor in tensors:
             if tensor.is_cuda:
