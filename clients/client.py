@@ -57,6 +57,11 @@ class GenerateRequest:
     # The image's encoding: "png" (server default), "jpeg" or "webp"; quality 1-100, jpeg/webp only.
     output_format: str | None = None
     quality: int | None = None
+    # An edit (inpainting): the template and its mask (PNG/JPEG bytes; mask 0 keeps, 255 repaints),
+    # and how far the template is noised (0, 1].
+    image: bytes | None = None
+    mask_image: bytes | None = None
+    strength: float | None = None
 
 
 # Input name -> (Triton datatype, numpy dtype); every input has dims [1].
@@ -75,6 +80,9 @@ INPUT_TYPES: dict[str, tuple[str, Any]] = {
     "control_guidance_start": ("FP32", np.float32),
     "control_guidance_end": ("FP32", np.float32),
     "loras": ("BYTES", np.object_),
+    "image": ("BYTES", np.object_),
+    "mask_image": ("BYTES", np.object_),
+    "strength": ("FP32", np.float32),
     "lora_scales": ("FP32", np.float32),
     "output_format": ("BYTES", np.object_),
     "quality": ("INT32", np.int32),
@@ -195,7 +203,7 @@ class EaselClient:
                  quality: int | None = None, **controls) -> GenerateResult:
         """`output_format`: "png" (default), "jpeg" or "webp"; `quality` (1-100) for jpeg/webp.
         Both are sent only when given. `controls`: controlnets, control_images, control_scales,
-        control_guidance_start/end, loras, lora_scales."""
+        control_guidance_start/end, loras, lora_scales; an edit's image, mask_image, strength."""
         request = GenerateRequest(prompt, negative_prompt, width, height, steps,
                                   guidance_scale, seed, scheduler, output_format=output_format,
                                   quality=quality, **controls)

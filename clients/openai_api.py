@@ -1,7 +1,7 @@
 """The OpenAI images API in front of Triton's `easel` model: `easel openai --triton HOST:PORT`.
 
 Serves `POST /v1/images/generations` (the OpenAI request body, plus Easel's own parameters as
-extra fields), `GET /v1/models` and `GET /health/ready`, and forwards each image to Triton over
+extra fields), `POST /v1/images/edits` (OpenAI's multipart body: clients/openai_edits.py), `GET /v1/models` and `GET /health/ready`, and forwards each image to Triton over
 gRPC with `clients.client.EaselClient`, without waiting: the `n` images of a request run at once
 (the denoiser batches them), and a client that leaves has them cancelled at once. Errors come back
 as OpenAI error JSON, `{"error": {"message", "type", "param", "code"}}`, with the HTTP status of
@@ -17,6 +17,7 @@ from __future__ import annotations
 import asyncio
 import base64
 import binascii
+import json
 import logging
 import re
 import time
@@ -27,13 +28,14 @@ from typing import Any, Literal
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from backends.core.request.adapter_inputs import validate_request
 from backends.core.request.params import InvalidInput, Limits
 from backends.core.typed_config import strict_from_dict
 from clients.client import EaselClient, EaselError, GenerateRequest, GenerateResult
+from clients.openai_edits import easel_edit_files, read_form
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +73,7 @@ TRITON_FIELDS = {
     "control_scales": "controlnets", "control_guidance_start": "controlnets",
     "control_guidance_end": "controlnets", "loras": "loras", "lora_scales": "loras",
     "output_format": "output_format", "quality": "output_format",
+    "image": "image", "mask_image": "mask", "strength": "strength",
 }
 _FIELD_RE = re.compile(r"(?:^|[\s,'\"(])(" + "|".join(sorted(TRITON_FIELDS, key=len, reverse=True))
                        + r")(?:\[\d+\])?: ")
@@ -124,8 +127,8 @@ class LoraSpec(_Strict):
     scale: float = 1.0
 
 
-class ImageGenerationRequest(_Strict):
-    """The OpenAI images API body; fields after `user` are Easel's extensions."""
+class _ImagesRequest(_Strict):
+    """What the OpenAI images API's bodies share; fields after `user` are Easel's extensions."""
 
     prompt: str
     model: str | None = None
@@ -143,7 +146,6 @@ class ImageGenerationRequest(_Strict):
     negative_prompt: str | None = None
     scheduler: str | None = None
     output_format: Literal["png", "jpeg", "webp"] | None = None
-    controlnets: list[ControlNetSpec] | None = None
     loras: list[LoraSpec] | None = None
 
     @field_validator("size")
@@ -158,6 +160,24 @@ class ImageGenerationRequest(_Strict):
             return None, None
         m = _SIZE_RE.fullmatch(self.size)
         return int(m[1]), int(m[2])
+
+
+class ImageGenerationRequest(_ImagesRequest):
+    """`POST /v1/images/generations`' JSON body."""
+
+    controlnets: list[ControlNetSpec] | None = None
+
+
+class ImageEditRequest(_ImagesRequest):
+    """`POST /v1/images/edits`' multipart fields beside its files (`image`, `mask`:
+    clients/openai_edits.py); `loras` as JSON text, as a form carries it."""
+
+    strength: float | None = None
+
+    @field_validator("loras", mode="before")
+    @classmethod
+    def _loras_json(cls, value):
+        return json.loads(value) if isinstance(value, str) else value
 
 
 def status_name(status: str | None) -> str | None:
@@ -365,31 +385,31 @@ async def generate_all(client: EaselClient, requests: list[GenerateRequest], req
     return answers.result()
 
 
-def _generate_kwargs(body: ImageGenerationRequest) -> dict[str, Any]:
+def _generate_kwargs(body: _ImagesRequest, controlnets: list[ControlNetSpec] | None = None) -> dict[str, Any]:
     """EaselClient.generate keyword arguments for one image (seed left to the caller)."""
     width, height = body.width_height()
     kwargs: dict[str, Any] = dict(
         prompt=body.prompt, negative_prompt=body.negative_prompt, width=width, height=height,
         steps=body.steps, guidance_scale=body.guidance_scale, scheduler=body.scheduler,
         output_format=body.output_format)
-    if body.controlnets:
+    if controlnets:
         images = []
-        for i, c in enumerate(body.controlnets):
+        for i, c in enumerate(controlnets):
             try:
                 images.append(c.image_bytes())
             except (binascii.Error, ValueError):
                 raise ApiError(400, f"controlnets.{i}.image: not valid base64",
                                param=f"controlnets.{i}.image", code="invalid_value") from None
-        kwargs.update(controlnets=tuple(c.name for c in body.controlnets),
+        kwargs.update(controlnets=tuple(c.name for c in controlnets),
                       control_images=tuple(images),
-                      control_scales=tuple(c.scale for c in body.controlnets))
-        if any(c.guidance_start is not None or c.guidance_end is not None for c in body.controlnets):
+                      control_scales=tuple(c.scale for c in controlnets))
+        if any(c.guidance_start is not None or c.guidance_end is not None for c in controlnets):
             # The model takes the windows for all ControlNets or none: the defaults fill in.
             kwargs.update(
                 control_guidance_start=tuple(0.0 if c.guidance_start is None else c.guidance_start
-                                             for c in body.controlnets),
+                                             for c in controlnets),
                 control_guidance_end=tuple(1.0 if c.guidance_end is None else c.guidance_end
-                                           for c in body.controlnets))
+                                           for c in controlnets))
     if body.loras:
         kwargs.update(loras=tuple(lo.name for lo in body.loras),
                       lora_scales=tuple(lo.scale for lo in body.loras))
@@ -466,8 +486,9 @@ def create_app(triton_url: str, *, model: str = MODEL, max_n: int = DEFAULT_MAX_
                                 f"{model!r}", param="model", code="model_not_found")
         return model_card()
 
-    @app.post("/v1/images/generations")
-    async def generations(body: ImageGenerationRequest, request: Request):
+    async def serve(route: str, body: _ImagesRequest, request: Request, kwargs_for) -> dict:
+        """The images of `body`: checked, sent at once, answered in OpenAI's form.
+        `kwargs_for(limits)`: one image's EaselClient.generate keyword arguments."""
         if body.model is not None and body.model != model:
             raise ApiError(404, f"model {body.model[:100]!r} does not exist; this server serves "
                                 f"{model!r}", param="model", code="model_not_found")
@@ -482,30 +503,32 @@ def create_app(triton_url: str, *, model: str = MODEL, max_n: int = DEFAULT_MAX_
             raise ApiError(400, f"seed: images take seeds seed..seed+n-1, which must stay "
                                 f"<= {SEED_MAX}", param="seed", code="invalid_value")
         n = body.n or 1
-        kwargs = _generate_kwargs(body)
         loop = asyncio.get_running_loop()
         start = time.monotonic()
         try:
             deployment = await loop.run_in_executor(pool, limits.get)
         except EaselError as exc:
             raise triton_error(exc) from None
+        try:
+            kwargs = await loop.run_in_executor(pool, kwargs_for, deployment)
+        except InvalidInput as exc:
+            raise invalid_input(exc) from None
         await loop.run_in_executor(pool, check_limits, kwargs, body.seed, deployment)
         requests = [GenerateRequest(**kwargs, seed=None if body.seed is None else body.seed + i) for i in range(n)]
         try:
             results = await generate_all(client, requests, request)
         except ClientLeft:
-            log.info("images/generations n=%d: the client left after %.2f s; its images were cancelled", n,
+            log.info("%s n=%d: the client left after %.2f s; its images were cancelled", route, n,
                      time.monotonic() - start)
             return error_response(499, "the client closed the request", "invalid_request_error", None,
                                   "client_closed_request")
         for r in results:
             if isinstance(r, EaselError):
                 err = triton_error(r)
-                log.warning("images/generations n=%d: %d %s (Triton: %s %s)", n, err.status,
-                            err.message, r.status, str(r)[:300])
+                log.warning("%s n=%d: %d %s (Triton: %s %s)", route, n, err.status, err.message, r.status,
+                            str(r)[:300])
                 raise err
-        log.info("images/generations n=%d size=%s: 200 in %.2f s", n, body.size or "auto",
-                 time.monotonic() - start)
+        log.info("%s n=%d size=%s: 200 in %.2f s", route, n, body.size or "auto", time.monotonic() - start)
         first = results[0].info
         response: dict[str, Any] = {
             "created": int(time.time()),
@@ -516,6 +539,32 @@ def create_app(triton_url: str, *, model: str = MODEL, max_n: int = DEFAULT_MAX_
         if "width" in first and "height" in first:
             response["size"] = f"{first['width']}x{first['height']}"
         return response
+
+    @app.post("/v1/images/generations")
+    async def generations(body: ImageGenerationRequest, request: Request):
+        return await serve("images/generations", body, request,
+                           lambda deployment: _generate_kwargs(body, body.controlnets))
+
+    @app.post("/v1/images/edits")
+    async def edits(request: Request):
+        """OpenAI's multipart edit: `image` and `mask` files (the mask's fully transparent pixels
+        are edited; without a mask, the image's), the fields of ImageEditRequest."""
+        try:
+            fields, files = await read_form(request)
+        except InvalidInput as exc:
+            raise invalid_input(exc) from None
+        try:
+            body = ImageEditRequest.model_validate(fields)
+        except ValidationError as exc:
+            raise validation_error(RequestValidationError(exc.errors())) from None
+        except ValueError:  # `loras` that are not JSON
+            raise ApiError(400, "loras: is not JSON", param="loras", code="invalid_value") from None
+
+        def kwargs_for(deployment: Limits) -> dict[str, Any]:
+            image, mask_image = easel_edit_files(files.get("image"), files.get("mask_image"), deployment)
+            return {**_generate_kwargs(body), "image": image, "mask_image": mask_image, "strength": body.strength}
+
+        return await serve("images/edits", body, request, kwargs_for)
 
     return app
 

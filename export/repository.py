@@ -304,6 +304,13 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
          "attention_dtype": options.resolved_vae_attention,
          **({"vae_dtype": options.vae_dtype} if options.vae_dtype else {})}))
 
+    # An edit's template and mask through the VAE's encoder, beside each VAE decoder (whose copy of
+    # the VAE it loads).
+    model = _fresh_model_dir(repo, "vae_encoder")
+    (model / "config.pbtxt").write_text(python_model(
+        "vae_encoder", "easel_vae_encoder", contract.VAE_ENCODER, options.stage_instances(),
+        {**engine_params, **checks, "artifacts": f"vae_decoder/{VERSION}"}))
+
     # CPU-only: validation. (The image file is encoded by the pipeline itself: backends/triton/bls_pipeline.py.)
     cpu = Instances("KIND_CPU", 1)
     model = _fresh_model_dir(repo, "preprocess")

@@ -26,10 +26,10 @@ from backends.core.serving.preview_board import MAX_KEY_LENGTH, valid_key, write
 from backends.core.adapters.controlnet import ControlInput
 from backends.core.engine.builder import build_denoiser
 from backends.core.engine.config import DenoiserConfig
-from backends.core.engine.requests import DenoiseJob, StepProgress
+from backends.core.engine.requests import DenoiseJob, EditInputs, StepProgress
 from backends.core.engine.loop import DenoiseResult, failure_kind
 from backends.core.request.adapter_inputs import decode_control_image
-from backends.core.request.contract import DENOISE_JOB, WIRE_DTYPES, controlnet_decl
+from backends.core.request.contract import DENOISE_JOB, EDIT, WIRE_DTYPES, controlnet_decl
 from backends.core.request.params import InvalidInput, UnknownAdapter
 from backends.core.runtime.unet_split import num_skips
 from backends.triton.adapter import (
@@ -128,7 +128,7 @@ class TritonPythonModel:
                     prompt_embeds=pb_utils.get_input_tensor_by_name(request, "prompt_embeds").as_numpy(),
                     pooled_embeds=pb_utils.get_input_tensor_by_name(request, "pooled_embeds").as_numpy(),
                     is_cancelled=lambda: is_cancelled(sender), controls=self._controls(request, params),
-                    deadline=time.monotonic() + timeout_us / 1e6 if timeout_us else None)
+                    deadline=time.monotonic() + timeout_us / 1e6 if timeout_us else None, **self._edit(request, params))
                 self._keyed(request, job, sender)
             except Exception as exc:
                 self.request_metrics.record(failure_kind(exc))
@@ -188,6 +188,24 @@ class TritonPythonModel:
             self.pending[progress.request_id][0].send(pb_utils.InferenceResponse([]))
         except Exception:  # the caller went away: its result (or error) still ends the request
             log.warning("progress of request %s not sent", progress.request_id, exc_info=True)
+
+    @staticmethod
+    def _edit(request, params) -> dict:
+        """An edit's DenoiseJob fields (the inpaint workflow, its EditInputs), from the EDIT tensors
+        that the VAE encoder made; none for text to image. Their shapes are the workflow's to check."""
+        given = {t.name: input_array(request, t.name) for t in EDIT}
+        if params.strength is None:
+            if any(a is not None for a in given.values()):
+                raise InvalidInput("strength", "is not set, yet the request carries an edit's tensors")
+            return {}
+        missing = [name for name, a in given.items() if a is None]
+        if missing:
+            raise InvalidInput(missing[0], "is required for an edit (params.strength is set)")
+        scaling = given.pop("scaling_factor").reshape(-1)
+        if scaling.size != 1 or not 0.0 < float(scaling[0]) < 1e3:
+            raise InvalidInput("scaling_factor", f"{scaling.tolist()} is not one positive factor")
+        return {"workflow": "inpaint", "edit": EditInputs(**given, scaling_factor=float(scaling[0]),
+                                                          strength=params.strength)}
 
     def _controls(self, request, params):
         images = pb_utils.get_input_tensor_by_name(request, "control_images").as_numpy().reshape(-1)

@@ -1,6 +1,6 @@
 """The public pipeline, run by BLS from the top-level model that a client calls: preprocess,
-text_encoder, a denoiser, vae_decoder, with the tensors of backends/core/request/contract.py, then
-the image file and `info`, encoded here. `easel` (unary) and `easel_stream` (decoupled: a response
+text_encoder, vae_encoder (an edit's), a denoiser, vae_decoder, with the tensors of
+backends/core/request/contract.py, then the image file and `info`, encoded here. `easel` (unary) and `easel_stream` (decoupled: a response
 per denoising step, then the image) are this one pipeline (backends/easel_pipeline/model.py).
 
 Why the image is encoded here and not in a model of its own: each hand-off between two stubs
@@ -168,8 +168,12 @@ class BlsPipeline:
         out = self._call(job, "preprocess", contract.PREPROCESS, job.inputs)
         params, control_images = out["params"], out["control_images"]
         out = self._call(job, "text_encoder", contract.TEXT_ENCODER, [params])
-        latents, params = self._denoise(job, out["params"], out["prompt_embeds"], out["pooled_embeds"],
-                                        control_images)
+        params, embeds, edit = out["params"], [out["prompt_embeds"], out["pooled_embeds"]], []
+        if GenerateParams.from_json(scalar(params.as_numpy())).strength is not None:  # an edit
+            files = [t for t in job.inputs if t.name() in ("image", "mask_image")]
+            out = self._call(job, "vae_encoder", contract.VAE_ENCODER, [params, *files])
+            params, edit = out["params"], [out[t.name] for t in contract.EDIT]
+        latents, params = self._denoise(job, params, *embeds, control_images, edit)
         out = self._call(job, "vae_decoder", contract.VAE_DECODER, [params, latents])
         return _encoded(GenerateParams.from_json(scalar(out["params"].as_numpy())), out["pixels"].as_numpy())
 
@@ -184,7 +188,7 @@ class BlsPipeline:
             raise ForwardedError(response.error())
         return {t.name(): t for t in response.output_tensors()}
 
-    def _denoise(self, job: Job, params, prompt_embeds, pooled_embeds, control_images):
+    def _denoise(self, job: Job, params, prompt_embeds, pooled_embeds, control_images, edit: list):
         """The denoiser's answer (latents, params), its progress responses forwarded as they come."""
         if job.cancelled:
             raise Cancelled(f"{self.name}: cancelled by the client before denoising")
@@ -193,7 +197,8 @@ class BlsPipeline:
         work = checked.work()
         denoiser = self.router.pick(work)
         admitted = False
-        inputs = [params, prompt_embeds, pooled_embeds, control_images, _tensor("cancel_key", key.encode(), np.object_)]
+        inputs = [params, prompt_embeds, pooled_embeds, control_images, *edit,
+                  _tensor("cancel_key", key.encode(), np.object_)]
         previews = None
         if job.preview_every is not None:  # asks for a response per step
             inputs.append(_tensor("preview_every", job.preview_every, np.int32))
@@ -223,7 +228,7 @@ class BlsPipeline:
                 if "latents" in outputs:
                     final = outputs
                 elif i > 0 and job.preview_every is not None:  # the first: the admission; then step i
-                    self._progress(job, i, checked.steps, previews)
+                    self._progress(job, i, checked.denoising_steps, previews)
         finally:
             job.denoising = None
             self.router.release(denoiser, work, admitted)

@@ -19,7 +19,8 @@ from backends.core.engine.requests import DenoiseJob, EditInputs
 from backends.core.request.params import InvalidInput, Limits, validate
 from backends.core.runtime.placement import Placement
 from backends.core.stages.text_encoding import PromptEncoder
-from backends.core.stages.vae_encoding import check_edit_images, encode_edit
+from backends.core.request.edit_inputs import check_edit_images
+from backends.core.stages.vae_encoding import encode_edit
 from export.repository import ExportOptions, export_repository
 from tests.unit.test_denoise_loop import run
 

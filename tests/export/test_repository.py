@@ -306,7 +306,7 @@ def test_export_writes_the_eight_gpu_headline_placement(tiny_model, tmp_path):
                      for g in config.instance_group] for name, config in parsed.items()}
     assert placed.pop("denoiser_gpu0") == [("KIND_GPU", 1, [0])]
     assert placed.pop("controlnet") == [("KIND_GPU", 1, [2, 3, 4, 5, 6, 7])]
-    for name in ("text_encoder", "vae_decoder"):
+    for name in ("text_encoder", "vae_encoder", "vae_decoder"):
         assert placed.pop(name) == [("KIND_GPU", 1, [0])]  # beside the pair's first GPU, which takes the text
     assert all(kind == "KIND_CPU" for groups in placed.values() for kind, _, _ in groups), placed
     denoiser = DenoiserConfig.from_json(params_of(parsed["denoiser_gpu0"])["denoiser"])

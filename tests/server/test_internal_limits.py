@@ -1,5 +1,5 @@
 """Every internal model re-checks the limits it relies on: Triton cannot hide them, so a client
-that calls the denoiser, text_encoder or vae_decoder directly with params preprocess
+that calls the denoiser, text_encoder, vae_encoder or vae_decoder directly with params preprocess
 would refuse is refused the same way (INVALID_ARGUMENT, naming the field and the limit)."""
 
 from __future__ import annotations
@@ -46,7 +46,20 @@ def _inputs(model: str, params: dict) -> list:
         "text_encoder": [],
         "denoiser": [*embeds, images],
         "vae_decoder": [_tensor("latents", np.zeros((1, 4, 8, 8), np.float32), "FP32")],
+        "vae_encoder": [_tensor(name, np.array([_png(64, 64, channels)], dtype=np.object_), "BYTES")
+                        for name, channels in (("image", 3), ("mask_image", 1))],
     }[model]
+
+
+def _png(width: int, height: int, channels: int, value: int = 0) -> bytes:
+    import io
+
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.fromarray(np.full((height, width, channels), value, np.uint8).squeeze(-1) if channels == 1
+                    else np.full((height, width, channels), value, np.uint8)).save(buf, "PNG")
+    return buf.getvalue()
 
 
 def stream_denoiser(server, inputs: list, parameters: dict | None = None) -> list:
@@ -81,7 +94,7 @@ def call(server, model: str, params: dict) -> InferenceServerException:
     return error
 
 
-@pytest.mark.parametrize("model", ["denoiser", "text_encoder", "vae_decoder"])
+@pytest.mark.parametrize("model", ["denoiser", "text_encoder", "vae_decoder", "vae_encoder"])
 @pytest.mark.parametrize("overrides, expected", BAD, ids=[str(i) for i in range(len(BAD))])
 def test_internal_models_refuse_params_out_of_limits(server, model, overrides, expected):
     err = call(server, model, {**GOOD, **overrides})
@@ -107,10 +120,17 @@ def test_denoiser_refuses_embeddings_of_another_shape(server):
 
 @pytest.mark.parametrize("model, name, array, expected", [
     ("vae_decoder", "latents", np.zeros((1, 4, 64, 64), np.float32), "latents: has shape (1, 4, 64, 64), expected (1, 4, 8, 8)"),
+    ("vae_encoder", "image", np.array([_png(128, 64, 3)], dtype=np.object_),
+     "image: is 128x64 pixels of uint8, not the request's 64x64 uint8"),
+    ("vae_encoder", "mask_image", np.array([_png(64, 64, 1, value=7)], dtype=np.object_),
+     "mask_image: is not binary: use 0 to keep a pixel and 255 to repaint it"),
 ])
 def test_tensors_must_match_the_checked_params(server, model, name, array, expected):
-    """The size was checked in the params; a tensor of another size would bypass it."""
-    inputs = [t if t.name() != name else _tensor(name, array, "FP32") for t in _inputs(model, GOOD)]
+    """The size was checked in the params; a tensor of another size would bypass it. The VAE
+    encoder decodes and checks an edit's files again."""
+    params = {**GOOD, "strength": 1.0} if model == "vae_encoder" else GOOD
+    inputs = [t if t.name() != name else _tensor(name, array, "BYTES" if array.dtype == object else "FP32")
+              for t in _inputs(model, params)]
     with pytest.raises(InferenceServerException) as err:
         grpcclient.InferenceServerClient(server.url_grpc).infer(model, inputs,
             parameters=server.internal_parameters)
@@ -197,7 +217,7 @@ def test_direct_previews_leave_no_file_and_steps_carry_no_tensor(server):
 
 
 @pytest.mark.parametrize("key", [None, "a-guess-of-the-key"])
-@pytest.mark.parametrize("model", ["preprocess", "text_encoder", "vae_decoder", "controlnet"])
+@pytest.mark.parametrize("model", ["preprocess", "text_encoder", "vae_decoder", "vae_encoder", "controlnet"])
 def test_internal_models_refuse_calls_without_the_servers_key(server, model, key):
     """A client cannot call a part of the pipeline: without the server's per-start key (or with a
     wrong one) the call is NOT_FOUND, naming the models to call, before any input is read."""

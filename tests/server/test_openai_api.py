@@ -193,3 +193,57 @@ def test_readiness_and_no_docs(api):
     root = api.removesuffix("/v1")
     assert httpx.get(f"{root}/health/ready").status_code == 200
     assert httpx.get(f"{root}/docs").status_code == 404 and httpx.get(f"{root}/openapi.json").status_code == 404
+
+
+def _png_bytes(pixels: np.ndarray) -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(pixels).save(buf, "PNG")
+    return buf.getvalue()
+
+
+def _template() -> tuple[np.ndarray, np.ndarray]:
+    """A 64 px RGBA template whose fully transparent rectangle is the part to edit (OpenAI's
+    convention), and Easel's mask of the same part (255 repaints)."""
+    rgba = np.random.default_rng(3).integers(0, 256, (64, 64, 4), dtype=np.uint8)
+    rgba[..., 3] = 255
+    rgba[16:48, 8:40, 3] = 0
+    return rgba, np.where(rgba[..., 3] == 0, 255, 0).astype(np.uint8)
+
+
+def test_edits_with_the_openai_client_equal_easel(server, oai):
+    """The edit's part is the image's transparent pixels, or a mask's: the same image as the
+    `easel` request with Easel's mask (one uint8 level if batching differed)."""
+    rgba, repaint = _template()
+    extra = {**SMALL, "strength": 0.9}
+    with EaselClient(server.url_grpc, protocol="grpc") as c:
+        direct = c.generate("a red house", image=_png_bytes(rgba[..., :3]), mask_image=_png_bytes(repaint),
+                            strength=0.9, **SMALL)
+    mask = np.zeros((64, 64, 4), np.uint8)
+    mask[..., 3] = np.where(repaint == 255, 0, 255)
+    for files in ({"image": ("t.png", _png_bytes(rgba), "image/png")},
+                  {"image": ("t.png", _png_bytes(rgba[..., :3]), "image/png"),
+                   "mask": ("m.png", _png_bytes(mask), "image/png")}):
+        res = oai.images.edit(prompt="a red house", size="64x64", response_format="b64_json", extra_body=extra,
+                              **files)
+        info = res.data[0].model_extra["info"]
+        assert info["strength"] == 0.9 and info["seed"] == 1
+        assert int(np.abs(rgb(decode(res.data[0].b64_json)) - rgb(direct.image())).max()) <= 1
+
+
+@pytest.mark.parametrize("files, fields, param, text", [
+    ({"image": _png_bytes(np.zeros((64, 64, 3), np.uint8))}, {}, "image", "image: has no alpha channel"),
+    ({"image": _png_bytes(np.zeros((64, 64, 3), np.uint8)), "mask": _png_bytes(np.zeros((64, 64), np.uint8))}, {},
+     "mask", "mask_image: has no alpha channel"),
+    ({"image": _png_bytes(_template()[0]), "mask": _png_bytes(np.zeros((32, 64, 4), np.uint8))}, {},
+     "mask", "mask_image: is 64x32 pixels"),
+    ({}, {}, "image", "image: is required"),
+    ({"image": _png_bytes(_template()[0])}, {"stepz": "2"}, "stepz", "unknown parameter"),
+    ({"image": _png_bytes(_template()[0])}, {"strength": "2"}, "strength", "strength: 2 is outside (0, 1]"),
+    ({"image": _png_bytes(_template()[0])}, {"image": "not a file"}, "image", "image: must be a file"),
+])
+def test_edit_errors_are_openai_json(api, files, fields, param, text):
+    r = httpx.post(f"{api}/images/edits", timeout=300, files={k: (k, v, "image/png") for k, v in files.items()},
+                   data={"prompt": "a cat", "steps": "2", "seed": "1", **fields})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["param"] == param and text in error["message"], error

@@ -161,8 +161,8 @@ def test_with_trace_merges_and_does_not_mutate():
 
 def test_generate_params_from_json_rejects_unknown_keys():
     data = json.loads(validate(raw(seed=1), LIMITS).to_json())
-    data["strength"] = 0.5
-    with pytest.raises(ValueError, match=r"params: unknown keys \['strength'\]"):
+    data["strenght"] = 0.5
+    with pytest.raises(ValueError, match=r"params: unknown keys \['strenght'\]"):
         GenerateParams.from_json(json.dumps(data))
 
 
@@ -292,3 +292,15 @@ def test_echoed_values_are_cut_to_about_100_characters():
     with pytest.raises(InvalidInput) as err:
         validate(raw(scheduler="x" * 9000), dataclasses.replace(LIMITS, max_prompt_bytes=16384))
     assert len(str(err.value)) < 250 and "(9000 long)" in str(err.value)
+
+
+def test_strength_arrives_as_the_clients_decimal():
+    """FP32 on the wire: 0.7 arrives as 0.699999988, whose 10 steps would run 6, not diffusers' 7."""
+    import numpy as np
+
+    params = validate(raw(seed=1, steps=10, strength=float(np.float32(0.7))), LIMITS)
+    assert params.strength == 0.7 and params.denoising_steps == 7
+    with pytest.raises(InvalidInput, match=r"strength: 0.05 leaves no step of 10"):
+        validate(raw(seed=1, steps=10, strength=0.05), LIMITS)
+    with pytest.raises(InvalidInput, match=r"strength: 0 is outside \(0, 1\]"):
+        validate(raw(seed=1, strength=0.0), LIMITS)

@@ -59,6 +59,11 @@ PUBLIC = ModelDecl(
         # The returned image's encoding: png (default), jpeg or webp, and quality for the last two.
         _t("output_format", "BYTES", 1, optional=True),
         _t("quality", "INT32", 1, optional=True),
+        # An edit (inpainting): the template (PNG/JPEG), its mask (0 keeps, 255 repaints) and how
+        # far the template is noised (request/edit_inputs.py).
+        _t("image", "BYTES", 1, optional=True),
+        _t("mask_image", "BYTES", 1, optional=True),
+        _t("strength", "FP32", 1, optional=True),
     ),
     outputs=(_t("image", "BYTES", 1), _t("info", "BYTES", 1)),
 )
@@ -72,6 +77,14 @@ PIXELS = _t("pixels", "UINT8", -1, -1, 3)
 
 PREPROCESS = ModelDecl(inputs=PUBLIC.inputs, outputs=(PARAMS, CONTROL_IMAGES))
 TEXT_ENCODER = ModelDecl(inputs=(PARAMS,), outputs=(PARAMS, *EMBEDS))
+# An edit's template and mask, encoded by the VAE (backends/core/stages/vae_encoding.py): the latent
+# distributions of the template and of the template with its masked region blanked (mean and std,
+# before the VAE's scaling factor), the mask at latent size (1: repaint), and that factor.
+EDIT = (_t("image_mean", "FP32", 1, -1, -1, -1), _t("image_std", "FP32", 1, -1, -1, -1),
+        _t("masked_mean", "FP32", 1, -1, -1, -1), _t("masked_std", "FP32", 1, -1, -1, -1),
+        _t("mask", "FP32", 1, 1, -1, -1), _t("scaling_factor", "FP32", 1))
+VAE_ENCODER = ModelDecl(inputs=(PARAMS, _t("image", "BYTES", 1), _t("mask_image", "BYTES", 1)),
+                        outputs=(PARAMS, *EDIT))
 
 # A denoiser's request: the job (the tensors it needs, optional for Triton only so that a cancel
 # request may come alone; the denoiser names a missing one itself), and optionally
@@ -83,6 +96,7 @@ TEXT_ENCODER = ModelDecl(inputs=(PARAMS,), outputs=(PARAMS, *EMBEDS))
 #   response's `error` (the marked message, triton/adapter.MARKS): Triton 2.51 never hands a BLS
 #   caller an error response that follows another response of the same request (measured: the
 #   caller's iterator waits forever);
+# - the EDIT tensors, all of them for an edit (params.strength set), none otherwise;
 # - `preview_every`: one empty response per step before the final one (easel_stream); every
 #   `preview_every` steps (0: never) the latents go first into the file of the request's
 #   `cancel_key`, if its caller made one (backends/core/serving/preview_board.py). Without it, only the final
@@ -91,7 +105,7 @@ TEXT_ENCODER = ModelDecl(inputs=(PARAMS,), outputs=(PARAMS, *EMBEDS))
 DENOISE_JOB = (PARAMS, *EMBEDS, CONTROL_IMAGES)
 PREVIEW_EVERY = _t("preview_every", "INT32", 1, optional=True)
 DENOISER = ModelDecl(
-    inputs=(*(TensorDecl(t.name, t.dtype, t.dims, optional=True) for t in DENOISE_JOB),
+    inputs=(*(TensorDecl(t.name, t.dtype, t.dims, optional=True) for t in (*DENOISE_JOB, *EDIT)),
             _t("cancel_key", "BYTES", 1, optional=True), PREVIEW_EVERY, _t("cancel", "BYTES", 1, optional=True)),
     outputs=(PARAMS, LATENTS, _t("error", "BYTES", 1)),
 )

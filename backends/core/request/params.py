@@ -123,6 +123,9 @@ class GenerateParams:
     # is the format's default.
     output_format: str = DEFAULT_FORMAT
     quality: int | None = None
+    # An edit (the template and mask travel beside the params, request/edit_inputs.py): how far
+    # the template is noised before denoising starts, in (0, 1]. None: text to image.
+    strength: float | None = None
     # Stage timings and other facts that travel with the request into `info`.
     trace: dict[str, Any] = field(default_factory=dict)
 
@@ -131,10 +134,17 @@ class GenerateParams:
         """Classifier-free guidance, on exactly when diffusers turns it on (guidance_scale > 1)."""
         return self.guidance_scale > 1.0
 
+    @property
+    def denoising_steps(self) -> int:
+        """The steps that run: an edit below strength 1 skips the first ones, as diffusers'
+        get_timesteps does."""
+        return self.steps if self.strength is None else min(int(self.steps * self.strength), self.steps)
+
     def work(self, steps: int | None = None) -> float:
-        """Denoising work of `steps` (default: all) of this request, in 1024x1024 row-steps: the
-        cost a step grows with (rows: 2 with guidance). What requests are routed by."""
-        return (self.steps if steps is None else steps) * (2 if self.cfg else 1) * self.width * self.height / 2**20
+        """Denoising work of `steps` (default: all that run) of this request, in 1024x1024 row-steps:
+        the cost a step grows with (rows: 2 with guidance). What requests are routed by."""
+        steps = self.denoising_steps if steps is None else steps
+        return steps * (2 if self.cfg else 1) * self.width * self.height / 2**20
 
     def to_json(self) -> bytes:
         return json.dumps(dataclasses.asdict(self)).encode()
@@ -219,6 +229,16 @@ def validate(raw: Mapping[str, Any], limits: Limits) -> GenerateParams:
         except ValueError as exc:
             raise InvalidInput("quality", str(exc).removeprefix("quality: ")) from None
 
+    strength = raw.get("strength")
+    if strength is not None:
+        # It crosses as FP32 (0.7 arrives as 0.69999999): back to the client's decimal, or
+        # int(steps * strength), the steps that run, would fall a step short of diffusers' (6 of 10).
+        strength = round(float(strength), 6)
+        if not 0.0 < strength <= 1.0:  # also refuses NaN
+            raise InvalidInput("strength", f"{strength:g} is outside (0, 1]")
+        if int(steps * strength) == 0:
+            raise InvalidInput("strength", f"{strength:g} leaves no step of {steps}")
+
     return GenerateParams(prompt=prompt, negative_prompt=negative, width=width, height=height, steps=steps,
                           guidance_scale=guidance, seed=seed, scheduler=scheduler,
-                          output_format=output_format, quality=quality)
+                          output_format=output_format, quality=quality, strength=strength)

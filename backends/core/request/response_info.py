@@ -22,6 +22,8 @@ def response_info(params: GenerateParams) -> dict:
             "max_batch": trace.pop("max_batch", None),
             "denoiser": trace.pop("denoiser", None), "lora_merged_at_step": trace.pop("lora_step", None),
             "lora_wait_s": trace.pop("lora_wait_s", None), "stages_s": trace}
+    if params.strength is not None:
+        info["strength"] = params.strength
     if received is not None:
         info["total_s"] = time.time() - received
     return info

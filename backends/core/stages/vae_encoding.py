@@ -3,29 +3,19 @@ StableDiffusionXLInpaintPipeline prepares them: the VAE encoder's latent distrib
 template and of the template with its masked region blanked, and the mask at latent size.
 
 The distributions' samples are drawn by the denoiser, on the request's generator and in the
-pipeline's order, so this stage draws nothing. Images must already have the request's size and
-masks must be binary (0 keeps, 255 repaints): the pipeline would resize and binarize, but a
-server refuses rather than silently correct.
+pipeline's order, so this stage draws nothing. Images come checked (request/edit_inputs.py):
+the request's size, masks binary.
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from backends.core.request.params import InvalidInput
-
-
-def check_edit_images(image: np.ndarray, mask: np.ndarray, width: int, height: int) -> None:
-    """InvalidInput naming `image` or `mask_image` when they are not what an edit of this size takes."""
-    for field, pixels, channels in (("image", image, (3,)), ("mask_image", mask, ())):
-        if pixels.dtype != np.uint8 or pixels.shape != (height, width, *channels):
-            size = "x".join(map(str, pixels.shape[1::-1] if pixels.ndim in (2, 3) else pixels.shape))
-            raise InvalidInput(field, f"is {size} pixels of {pixels.dtype}{'' if channels else ' (one channel)'}, "
-                                      f"not the request's {width}x{height} uint8")
-    if not np.isin(mask, (0, 255)).all():
-        raise InvalidInput("mask_image", "is not binary: use 0 to keep a pixel and 255 to repaint it")
+from backends.core.runtime.placement import Placement
 
 
 @torch.inference_mode()
@@ -43,3 +33,24 @@ def encode_edit(vae, image: np.ndarray, mask: np.ndarray, vae_scale_factor: int)
         out[f"{name}_mean"] = dist.mean.float().cpu().numpy()
         out[f"{name}_std"] = dist.std.float().cpu().numpy()
     return out
+
+
+class EditEncoder:
+    """The VAE's encoder, from a model folder's `vae` (the VAE decoder's copy), in the dtype the
+    inpaint pipeline encodes in (fp32 for a VAE that asks diffusers to upcast, as SDXL's does)."""
+
+    def __init__(self, folder: str | Path, placement: Placement):
+        from diffusers import AutoencoderKL
+
+        vae = AutoencoderKL.from_pretrained(Path(folder) / "vae", use_safetensors=True)
+        dtype = placement.torch_dtype
+        if dtype == torch.float16 and vae.config.force_upcast:
+            dtype = torch.float32
+        del vae.decoder, vae.post_quant_conv  # (encoding only: half the weights stay off the device)
+        self.vae = vae.to(torch.device(placement.device), dtype).eval()
+        self.scaling_factor = float(vae.config.scaling_factor)
+        self.vae_scale_factor = 2 ** (len(vae.config.block_out_channels) - 1)
+
+    def encode(self, image: np.ndarray, mask: np.ndarray) -> dict[str, np.ndarray]:
+        """The EditInputs arrays of a checked template and mask (request/edit_inputs.py)."""
+        return encode_edit(self.vae, image, mask, self.vae_scale_factor)

@@ -1,0 +1,104 @@
+"""Edits (inpainting) through the server: `image`, `mask_image` and `strength` on `easel` and
+`easel_stream` reproduce StableDiffusionXLInpaintPipeline with the same seed (uint8 within 1/255,
+CPU fp32; the tiny base UNet of 4 input channels, blended after each step: the 9-channel UNet's
+exactness is tests/export/test_inpaint_engine.py's); bad edits fail that request alone, naming
+the field."""
+
+from __future__ import annotations
+
+import io
+
+import numpy as np
+import pytest
+import torch
+from diffusers import StableDiffusionXLInpaintPipeline
+from PIL import Image
+
+from clients.client import EaselError, GenerateRequest
+from tests.reference import _pipeline, max_abs_diff
+from tests.server.test_exact import TOLERANCE, pixels
+
+SIZE = 64
+
+
+def png(array: np.ndarray, fmt: str = "PNG") -> bytes:
+    buf = io.BytesIO()
+    Image.fromarray(array).save(buf, fmt)
+    return buf.getvalue()
+
+
+def template(seed: int = 0) -> np.ndarray:
+    return np.random.default_rng(seed).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8)
+
+
+def mask(top=16, bottom=48, left=8, right=40) -> np.ndarray:
+    m = np.zeros((SIZE, SIZE), np.uint8)
+    m[top:bottom, left:right] = 255
+    return m
+
+
+def reference(model, image, repaint, strength, **req) -> np.ndarray:
+    pipe = StableDiffusionXLInpaintPipeline(**_pipeline(str(model)).components, add_watermarker=False)
+    kwargs = {} if strength is None else {"strength": strength}
+    out = pipe("a red house", image=Image.fromarray(image), mask_image=Image.fromarray(repaint), width=SIZE,
+               height=SIZE, num_inference_steps=req["steps"], guidance_scale=5.0,
+               generator=torch.Generator("cpu").manual_seed(req["seed"]), output_type="np", **kwargs).images[0]
+    return (out * 255).round().astype(np.uint8)
+
+
+@pytest.mark.parametrize("strength", [None, 1.0, 0.6], ids=["default", "1", "0.6"])
+def test_edits_match_diffusers(client, tiny_model, strength):
+    image, repaint = template(), mask()
+    req = dict(seed=5, steps=4)
+    ours = client.generate("a red house", image=png(image), mask_image=png(repaint), strength=strength, **req)
+    assert ours.info["strength"] == (0.9999 if strength is None else strength)  # the pipeline's default
+    assert ours.image().size == (SIZE, SIZE)  # the template's size: the request named none
+    assert max_abs_diff(pixels(ours), reference(tiny_model, image, repaint, strength, **req)) <= TOLERANCE
+
+
+def test_a_streamed_edit_is_the_unary_one(server):
+    from clients.client import EaselClient, GenerateResult
+
+    request = GenerateRequest("a red house", seed=6, steps=3, image=png(template(1)), mask_image=png(mask()),
+                              strength=0.8)
+    with EaselClient(server.url_grpc, "grpc") as unary, EaselClient(server.url_grpc, "grpc", "easel_stream") as stream:
+        want = unary.run(request)
+        events = list(stream.stream(request, preview_every=1))
+    got = events[-1]
+    assert isinstance(got, GenerateResult) and got.png == want.png
+    assert len(events) == 1 + 2  # strength 0.8 of 3 steps runs int(3 * 0.8) = 2 of them
+
+
+def bomb(side=20000) -> bytes:
+    buf = io.BytesIO()
+    Image.new("1", (side, side)).save(buf, "PNG")  # a few kB on the wire, side^2 pixels decoded
+    return buf.getvalue()
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (dict(image=png(template())), "mask_image: is needed for an edit: give image and mask_image together"),
+    (dict(mask_image=png(mask())), "image: is needed for an edit"),
+    (dict(strength=0.5), "strength: is for edits: give image and mask_image too"),
+    (dict(image=png(template()), mask_image=png(mask()), strength=0.0), "strength: 0 is outside (0, 1]"),
+    (dict(image=png(template()), mask_image=png(mask()), strength=1.5), "strength: 1.5 is outside (0, 1]"),
+    (dict(image=png(template()), mask_image=png(mask()[:48])),
+     "mask_image: is 64x48 pixels of uint8 (one channel), not the request's 64x64 uint8"),
+    (dict(image=png(template()), mask_image=png(mask()), width=128, height=128),
+     "image: is 64x64 pixels of uint8, not the request's 128x128 uint8"),
+    (dict(image=png(template()), mask_image=png(mask() // 2)),
+     "mask_image: is not binary: use 0 to keep a pixel and 255 to repaint it"),
+    (dict(image=png(template()), mask_image=png(mask(13, 47, 5, 37), "JPEG")), "mask_image: is not binary"),
+    (dict(image=b"not an image", mask_image=png(mask())), "image: is not a decodable image"),
+    (dict(image=bomb(), mask_image=png(mask())), "image: is a decompression bomb"),
+    (dict(image=bomb(300), mask_image=png(mask())), "image: is 300x300, over the limit of 65536 pixels"),
+    (dict(image=png(template()), mask_image=png(mask()), controlnets=("canny",), control_images=(png(template()),)),
+     "controlnets: are not supported with inpainting"),
+    (dict(image=png(template()), mask_image=png(mask()), strength=0.1), "strength: 0.1 leaves no step of 4"),
+], ids=lambda v: v if isinstance(v, str) else "")
+def test_bad_edits_fail_alone(http_client, edit, expected):
+    with pytest.raises(EaselError) as err:
+        http_client.generate("a red house", seed=1, steps=4, **edit)
+    assert expected in str(err.value)
+    assert err.value.status == "400"
+    ok = http_client.generate("a red house", seed=1, steps=2, width=64, height=64)
+    assert ok.image().size == (64, 64)
