@@ -118,13 +118,18 @@ def build_parser() -> argparse.ArgumentParser:
                    metavar="NAME:IMAGE[:SCALE]", help="a ControlNet and its control image (repeatable)")
     g.add_argument("--lora", action="append", type=parse_lora, default=[], metavar="NAME[:SCALE]",
                    help="a LoRA from the adapter store (repeatable)")
+    g.add_argument("--image", type=Path, metavar="PNG",
+                   help="edit this template (inpainting; with --mask): the image is its size unless --size")
+    g.add_argument("--mask", type=Path, metavar="PNG", help="the edit's mask: 255 (white) repaints, 0 keeps")
+    g.add_argument("--strength", type=float, metavar="S",
+                   help="how far the template is noised, (0, 1] (server default: 0.9999, diffusers')")
 
     o = sub.add_parser(
         "openai", help="serve the OpenAI images API in front of a Triton server",
-        description="Serve POST /v1/images/generations and GET /v1/models (OpenAI images API, "
-                    "response_format b64_json; Easel's steps, seed, guidance_scale, "
-                    "negative_prompt, scheduler, output_format, controlnets and loras as extra "
-                    "body fields), forwarding each image to the `easel` model over gRPC.")
+        description="Serve POST /v1/images/generations, POST /v1/images/edits and GET /v1/models "
+                    "(OpenAI images API, response_format b64_json; Easel's steps, seed, guidance_scale, "
+                    "negative_prompt, scheduler, output_format, loras, controlnets (generations) and "
+                    "strength (edits) as extra fields), forwarding each image to the `easel` model over gRPC.")
     o.add_argument("--triton", default="localhost:8001", metavar="HOST:PORT",
                    help="Triton's gRPC address (default: %(default)s)")
     o.add_argument("--host", default="0.0.0.0", help="address to listen on (default: %(default)s)")
@@ -329,6 +334,11 @@ def generate_kwargs(args: argparse.Namespace) -> dict:
     if args.lora:
         names, scales = zip(*args.lora)
         kwargs.update(loras=names, lora_scales=scales)
+    if args.image or args.mask:
+        kwargs.update(image=args.image.read_bytes() if args.image else None,
+                      mask_image=args.mask.read_bytes() if args.mask else None)
+    if args.strength is not None:
+        kwargs.update(strength=args.strength)
     return kwargs
 
 

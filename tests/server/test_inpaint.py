@@ -102,3 +102,37 @@ def test_bad_edits_fail_alone(http_client, edit, expected):
     assert err.value.status == "400"
     ok = http_client.generate("a red house", seed=1, steps=2, width=64, height=64)
     assert ok.image().size == (64, 64)
+
+
+@pytest.fixture(scope="module")
+def inpaint_model(tmp_path_factory):
+    from export.tiny import write_tiny_pipeline
+
+    return write_tiny_pipeline(tmp_path_factory.mktemp("models") / "inpaint", seed=0, variant="inpaint")
+
+
+@pytest.fixture(scope="module")
+def inpaint_server(inpaint_model, tmp_path_factory):
+    """A server on the tiny inpainting model (a UNet of 9 input channels: the latents, the mask
+    and the masked template's latents)."""
+    from tests.server.conftest import start_server
+
+    srv = start_server(inpaint_model, tmp_path_factory.mktemp("repos") / "inpaint")
+    srv.wait_ready()
+    yield srv
+    srv.stop()
+
+
+def test_an_inpainting_unet_serves_edits_as_diffusers_and_refuses_text_to_image(inpaint_server, inpaint_model):
+    from clients.client import EaselClient
+
+    image, repaint = template(2), mask()
+    with EaselClient(inpaint_server.url_grpc, "grpc") as client:
+        for strength in (1.0, 0.6):
+            req = dict(seed=7, steps=4)
+            ours = client.generate("a red house", image=png(image), mask_image=png(repaint), strength=strength, **req)
+            want = reference(inpaint_model, image, repaint, strength, **req)
+            assert max_abs_diff(pixels(ours), want) <= TOLERANCE, strength
+        with pytest.raises(EaselError) as err:
+            client.generate("a red house", seed=1, steps=2, width=SIZE, height=SIZE)
+    assert "image:" in str(err.value) and err.value.status == "StatusCode.INVALID_ARGUMENT", (err.value, err.value.status)

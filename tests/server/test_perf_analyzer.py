@@ -9,14 +9,18 @@ import shlex
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from clients.tools import perf_analyzer_path, perf_env
 
 INPUT = Path(__file__).resolve().parents[2] / "clients" / "perf" / "txt2img.json"
 
 
-def test_perf_analyzer_runs_against_easel(server, tmp_path):
+@pytest.mark.parametrize("inputs", ["txt2img.json", "inpaint.json"])  # inpaint: edits, files as b64
+def test_perf_analyzer_runs_against_easel(server, tmp_path, inputs):
     report = tmp_path / "perf.csv"
-    argv = [str(perf_analyzer_path()), "-m", "easel", "-u", server.url_http, "--input-data", str(INPUT),
+    data = INPUT.with_name(inputs)
+    argv = [str(perf_analyzer_path()), "-m", "easel", "-u", server.url_http, "--input-data", str(data),
             "--concurrency-range", "1:2", "--measurement-mode", "count_windows",
             # A loose stability bound: the point is that perf_analyzer drives easel, not a benchmark on a
             # shared 2-core machine.
@@ -29,7 +33,7 @@ def test_perf_analyzer_runs_against_easel(server, tmp_path):
     assert rows[0].startswith("Concurrency") and len(rows) == 3  # header + concurrency 1 and 2
     throughput = [float(r.split(",")[1]) for r in rows[1:]]
     assert all(t > 0 for t in throughput)
-    assert json.loads(INPUT.read_text())["data"]
+    assert json.loads(data.read_text())["data"]
 
 
 def test_readme_command_runs_as_written(server):

@@ -51,6 +51,16 @@ def test_generate_options():
     assert args.protocol == "grpc" and args.url == "h:9"
 
 
+def test_generate_edit_options(tmp_path):
+    (tmp_path / "t.png").write_bytes(b"template")
+    (tmp_path / "m.png").write_bytes(b"mask")
+    args = _generate_args("--image", str(tmp_path / "t.png"), "--mask", str(tmp_path / "m.png"), "--strength", "0.7")
+    kw = cli.generate_kwargs(args)
+    assert (kw["image"], kw["mask_image"], kw["strength"]) == (b"template", b"mask", 0.7)
+    inputs = {i.name(): i for i in build_inputs(GenerateRequest(**{k: v for k, v in kw.items() if k != "timeout_s"}))}
+    assert inputs["image"].datatype() == "BYTES" and inputs["strength"].datatype() == "FP32"
+
+
 def test_serve_args():
     args = cli.build_parser().parse_args(
         ["serve", "--repo", "r", "--http-port", "9000", "--detach", "--timeout", "5"])
