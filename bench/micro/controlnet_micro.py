@@ -21,15 +21,22 @@ import statistics
 import time
 
 from clients.bench.common import bench_parser, random_sdxl, start_logging, write_controlnets, write_json
+from export.cli import int_list
 from bench.micro.runtime_micro import gpu_ms, wall_ms_per_step
 
 log = logging.getLogger("bench.micro.controlnet_micro")
+VARIANTS = ("graphs", "compiled", "compiled+kept", "compiled+kept+fast")
 
 
 def main() -> None:
     p = bench_parser(__doc__, size=1024, steps=20)
     p.add_argument("--iters", type=int, default=20)
+    p.add_argument("--rows", type=int_list("--rows", 1), default=[1, 2], help="call rows, e.g. 2 (default: 1,2)")
+    p.add_argument("--variants", default=",".join(VARIANTS), help=f"some of {','.join(VARIANTS)}")
     args = p.parse_args()
+    unknown = set(args.variants.split(",")) - set(VARIANTS)
+    if unknown:
+        p.error(f"--variants: {', '.join(sorted(unknown))} not among {', '.join(VARIANTS)}")
     start_logging()
 
     import torch
@@ -49,13 +56,14 @@ def main() -> None:
     fast = ControlNetCache(AdapterStore(store_dir), where, budget_bytes=2**40, fast=True).acquire("canny")
     use_compile_cache(args.work / "compile_cache")
     compiled = ControlNetGraphs(compiled=True)
-    variants = {"graphs": (ControlNetGraphs(), model, False), "compiled": (compiled, model, False),
-                "compiled+kept": (compiled, model, True), "compiled+kept+fast": (compiled, fast, True)}
+    every = {"graphs": (ControlNetGraphs(), model, False), "compiled": (compiled, model, False),
+             "compiled+kept": (compiled, model, True), "compiled+kept+fast": (compiled, fast, True)}
+    variants = {name: every[name] for name in args.variants.split(",")}
     latent = args.size // 8
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "size": args.size, "rows": {}}
     g = torch.Generator("cuda").manual_seed(0)
     kw = dict(device="cuda", dtype=torch.float16)
-    for rows in (1, 2):
+    for rows in args.rows:
         call = ControlCall("canny", 0.8, torch.rand(rows, 3, args.size, args.size, generator=g, **kw),
                            torch.randn(rows, 4, latent, latent, generator=g, **kw), torch.full((rows,), 500.0, device="cuda"),
                            torch.randn(rows, 77, 2048, generator=g, **kw), torch.randn(rows, 1280, generator=g, **kw),
