@@ -59,10 +59,15 @@ def test_eager_runtime_is_the_split_unet(runtime):
 
 
 def test_modes_a_runtime_lacks_are_refused(runtime):
+    from backends.core.runtime.base import RuntimeCaps, check_batch
+    from backends.core.runtime.token_subsets import FULL, TokenLayout, TokenRow
+
     b = random_batch(runtime, rows=1)
-    masked = StepBatch(**{**b.__dict__, "token_masks": torch.ones(1, 64, dtype=torch.bool)})
-    with pytest.raises(NotImplementedError, match="eager runtime cannot serve token subsets"):
-        runtime.encode(masked)
+    masked = StepBatch(**{**b.__dict__, "tokens": TokenLayout((TokenRow(FULL),))})
+    with pytest.raises(NotImplementedError, match="graphs runtime cannot serve token subsets"):
+        check_batch(RuntimeCaps(name="graphs", graphs=True), masked)
+    # the eager runtime serves them (tests/export/test_template_cache.py): rows run whole are the same
+    assert torch.equal(runtime.decode(masked, runtime.encode(masked), None), runtime.decode(b, runtime.encode(b), None))
     patched = StepBatch(**{**b.__dict__, "patches": PatchLayout((0,), ((0, 0),), ((8, 8),))})
     with pytest.raises(NotImplementedError, match="cannot serve patch batches"):
         runtime.encode(patched)

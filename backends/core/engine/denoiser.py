@@ -21,6 +21,7 @@ from backends.core.engine import noise
 from backends.core.engine.controls import ControlNetSteps
 from backends.core.engine.diffusers_schedulers import SchedulerPrototypes
 from backends.core.engine.lora_policy import LoraPolicy
+from backends.core.engine.template_cache import TemplateCache
 from backends.core.engine.requests import DenoiseJob, LatentSnapshot, RequestState
 from backends.core.engine.step_stats import DECODED, DECODER, ENCODED, ENCODER, SAMPLED, SAMPLER, StepClock
 from backends.core.engine.workflows import WORKFLOWS
@@ -56,7 +57,9 @@ class TorchDenoiser:
         self.loras = LoraPolicy(self.runtime)
         vae_scale_factor = json.loads((folder / VAE_SCALE_FACTOR_FILE).read_text())["vae_scale_factor"]
         self.schedulers = SchedulerPrototypes(_load_scheduler(folder / "scheduler"), self.device)
-        model = Model(self.device, self.dtype, self.unet.config, vae_scale_factor, self.schedulers, self.controls)
+        self.templates = TemplateCache()
+        model = Model(self.device, self.dtype, self.unet.config, vae_scale_factor, self.schedulers, self.controls,
+                      self.templates, token_subsets=self.runtime.caps.token_subsets)
         self.workflows = {name: cls(model) for name, cls in WORKFLOWS.items()}
         # Times the halves and the sampler of the loop's steps (events on our stream on a GPU).
         self.clock = StepClock(self.stream)
@@ -108,7 +111,7 @@ class TorchDenoiser:
         batch = StepBatch(sample, timestep, torch.cat([s.embeds for s in states]), torch.cat([s.pooled for s in states]),
                           torch.cat([s.time_ids for s in states]), lora_segments=lora_segments,
                           text_key=(self.loras.merged, tuple(s.serial for s in states)),
-                          rows_per_request=rows_per_request)
+                          rows_per_request=rows_per_request, tokens=workflow.tokens(states))
         clock = self.clock
         clock.mark(ENCODER)
         enc = self.runtime.encode(batch)

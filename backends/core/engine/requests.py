@@ -32,6 +32,9 @@ class EditInputs:
     mask: np.ndarray  # [1, 1, h, w] of 0 and 1
     scaling_factor: float  # the VAE's
     strength: float = 1.0  # how far the template is noised before denoising starts (1: pure noise)
+    # A template's name: the first edit of it records its activations, later ones reuse them for
+    # their unmasked tokens (runtime/token_subsets.py; approximate). None: exact inpainting.
+    template: str | None = None
 
 
 @dataclass

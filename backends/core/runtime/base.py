@@ -11,8 +11,8 @@ beside the encoder half and meet the UNet at the decoder half.
 
 `StepBatch` already has the fields of the execution modes that come later, so they arrive as new
 runtimes or new field values, not a redesign:
-- `token_masks`: masked editing (InstGenIE); rows whose unmasked tokens come from cached
-  activations of a template, so only the masked tokens are computed;
+- `tokens`: masked editing (InstGenIE, runtime/token_subsets.py); rows whose unmasked tokens come
+  from a template's recorded activations, so only the masked tokens are computed;
 - `patches`: mixed resolutions (PatchedServe); the batch's rows are equal-size latent patches cut
   from images of different sizes, with per-image attention and GroupNorm statistics.
 A runtime whose `caps` lack a mode refuses a batch that uses it (`check_batch`), loudly.
@@ -29,6 +29,7 @@ if TYPE_CHECKING:
     from torch import nn
 
     from backends.core.adapters.lora import LoraSet
+    from backends.core.runtime.token_subsets import TokenLayout
 
 
 @dataclass(frozen=True)
@@ -40,7 +41,7 @@ class RuntimeCaps:
     compiled: bool = False  # torch.compile'd halves
     inplace_refit: bool = True  # weights written in place (a LoRA merge) are seen by the next step
     unmerged_lora: bool = True  # per-row low-rank LoRA terms for batches that mix LoRA sets
-    token_subsets: bool = False  # StepBatch.token_masks (masked editing)
+    token_subsets: bool = False  # StepBatch.tokens (masked editing)
     patches: bool = False  # StepBatch.patches (mixed resolutions)
 
 
@@ -92,7 +93,7 @@ class StepBatch:
     # Each request's rows, in order (a request with guidance has two, unconditional first), for a
     # runtime that places rows by request (latent parallelism). None: not known; rows stay together.
     rows_per_request: tuple[int, ...] | None = None
-    token_masks: torch.Tensor | None = None  # [rows, h*w], True where a token is computed
+    tokens: TokenLayout | None = None  # per row: record, reuse (masked tokens only) or run whole
     patches: PatchLayout | None = None
 
     @property
@@ -112,7 +113,7 @@ class StepBatch:
         return tuple(self.sample.shape[-2:])
 
 
-ROW_TENSORS = ("sample", "timestep", "text", "pooled", "time_ids", "token_masks")  # StepBatch's, one row per row
+ROW_TENSORS = ("sample", "timestep", "text", "pooled", "time_ids")  # StepBatch's, one row per row
 
 
 @dataclass
@@ -165,7 +166,7 @@ class UNetRuntime(Protocol):
 
 
 def check_batch(caps: RuntimeCaps, batch: StepBatch) -> None:
-    if batch.token_masks is not None and not caps.token_subsets:
+    if batch.tokens is not None and not caps.token_subsets:
         raise NotImplementedError(f"the {caps.name} runtime cannot serve token subsets (masked editing)")
     if batch.patches is not None and not caps.patches:
         raise NotImplementedError(f"the {caps.name} runtime cannot serve patch batches (mixed resolutions)")

@@ -7,7 +7,7 @@ fast runtime for what it does not capture (batches that mix LoRAs, shapes withou
 from __future__ import annotations
 
 from collections.abc import Mapping
-from contextlib import nullcontext
+from contextlib import contextmanager, nullcontext
 
 import torch
 
@@ -18,7 +18,7 @@ from backends.core.runtime.unet_split import UNetDecoder, UNetEncoder
 
 
 class EagerUNetRuntime:
-    caps = RuntimeCaps(name="eager")
+    caps = RuntimeCaps(name="eager", token_subsets=True)
 
     def __init__(self, unet, encoder: UNetEncoder, decoder: UNetDecoder):
         self.weights_module = unet
@@ -29,19 +29,20 @@ class EagerUNetRuntime:
         self.decoder = decoder
         self.layers = ModelLayers(unet)
         self.stats = RuntimeStats()
+        self.subsets = None  # the transformer blocks' SubsetContext, once a step first has token subsets
 
     @torch.inference_mode()
     def encode(self, batch: StepBatch) -> EncoderOut:
         check_batch(self.caps, batch)
         self.stats.eager_steps += 1
-        with self._loras(batch):
+        with self._loras(batch), self._tokens(batch):
             emb, mid, skips = self.encoder(batch.sample, batch.timestep, batch.text, batch.pooled, batch.time_ids)
         return EncoderOut(emb, mid, skips)
 
     @torch.inference_mode()
     def decode(self, batch: StepBatch, enc: EncoderOut, residuals: Residuals | None) -> torch.Tensor:
         down, mid = residuals if residuals is not None else (None, None)
-        with self._loras(batch):
+        with self._loras(batch), self._tokens(batch):
             return self.decoder(enc.emb, enc.mid, enc.skips, batch.text, down, mid)
 
     def row_sides(self, rows_per_request) -> None:
@@ -52,6 +53,24 @@ class EagerUNetRuntime:
 
     def weights_written(self) -> None:
         return None  # nothing derived from the weights
+
+    @contextmanager
+    def _tokens(self, batch: StepBatch):
+        """The step's token subsets, seen by the transformer blocks while it runs."""
+        if batch.tokens is None:
+            yield
+            return
+        if batch.lora_segments:  # (their terms are added by row ranges, which subsets split)
+            raise NotImplementedError("token subsets with unmerged LoRA terms (a batch that mixes LoRA sets)")
+        if self.subsets is None:
+            from backends.core.runtime.token_subsets import install
+
+            self.subsets = install(self.weights_module)
+        self.subsets.layout = batch.tokens
+        try:
+            yield
+        finally:
+            self.subsets.layout = None
 
     def _loras(self, batch: StepBatch):
         if not batch.lora_segments:

@@ -18,6 +18,8 @@ import torch
 from backends.core.engine.controls import ControlNetSteps
 from backends.core.engine.diffusers_schedulers import SchedulerPrototypes
 from backends.core.engine.requests import DenoiseJob, RequestState
+from backends.core.engine.template_cache import TemplateCache
+from backends.core.runtime.token_subsets import TokenLayout
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,8 @@ class Model:
     vae_scale_factor: int
     schedulers: SchedulerPrototypes
     controls: ControlNetSteps
+    templates: TemplateCache  # templates' recorded activations (runtime/token_subsets.py)
+    token_subsets: bool = False  # the runtime computes subsets of tokens (RuntimeCaps.token_subsets)
 
 
 class Workflow(Protocol):
@@ -43,3 +47,6 @@ class Workflow(Protocol):
 
     def advance(self, states: list[RequestState], noise: torch.Tensor, failed: dict) -> None:
         """After the UNet: each request not in `failed` moves to its next latents."""
+
+    def tokens(self, states: list[RequestState]) -> TokenLayout | None:
+        """The step's token subsets (StepBatch.tokens), or None: every token of every row."""

@@ -25,6 +25,8 @@ from backends.core.engine.requests import DenoiseJob, EditInputs, RequestState
 from backends.core.engine.workflows.txt2img import Txt2Img
 from backends.core.request.params import InvalidInput
 from backends.core.runtime.host_copies import to_device
+from backends.core.runtime.token_subsets import (FULL, RECORD, REUSE, TemplateActivations, TokenLayout, TokenRow,
+                                                 computed_tokens)
 
 UNET_CHANNELS = (4, 9)  # a base UNet (blended after each step), an inpainting UNet (mask as input)
 
@@ -35,6 +37,23 @@ class InpaintState(RequestState):
     noise: torch.Tensor | None = None  # the first draw of noise, which the blend re-noises the template with
     mask: torch.Tensor | None = None  # [1, 1, h, w]
     masked_latents: torch.Tensor | None = None  # the masked template's, scaled
+    # A template edit (EditInputs.template): RECORD or REUSE its activations, the recording, and
+    # (REUSE) the tokens it computes at each level, made at admission.
+    template_role: str = FULL
+    recording: TemplateActivations | None = None
+    computed: dict[int, torch.Tensor] | None = None
+
+
+def template_key(job: DenoiseJob, rows: int) -> tuple:
+    """What a template's recording is kept under: its name and everything besides the edit's own
+    masked tokens that changes what the UNet's blocks output (the model is the engine's own): the
+    size, steps, scheduler, strength and seed (the template's latents outside the mask are noised
+    with the request's noise), guidance (its rows) and the LoRAs. Not the prompt: InstGenIE's
+    premise is that unmasked tokens barely depend on it, which tests/export/test_template_cache.py
+    measures."""
+    p, edit = job.params, job.edit
+    return (edit.template, p.width, p.height, p.steps, p.scheduler, edit.strength, p.seed, rows,
+            tuple((lora.name, lora.scale) for lora in p.loras))
 
 
 class Inpaint(Txt2Img):
@@ -66,8 +85,20 @@ class Inpaint(Txt2Img):
         latents = drawn * sched.init_noise_sigma if full else sched.add_noise(image_latents, drawn, timesteps[:1])
         masked_latents = self._sample(edit.masked_mean, edit.masked_std, edit.scaling_factor, generator)
         mask = to_device(torch.from_numpy(edit.mask), m.device).to(m.dtype)
-        return self.state(job, sched, timesteps, latents, self.step_kwargs(sched, generator), None, cls=InpaintState,
-                          image_latents=image_latents, noise=drawn, mask=mask, masked_latents=masked_latents)
+        state = self.state(job, sched, timesteps, latents, self.step_kwargs(sched, generator), None, cls=InpaintState,
+                           image_latents=image_latents, noise=drawn, mask=mask, masked_latents=masked_latents)
+        if edit.template is not None and m.token_subsets:
+            reuse, state.recording = m.templates.take(template_key(job, state.rows), state.rows)
+            state.template_role = REUSE if reuse else RECORD
+            if reuse:
+                state.computed = computed_tokens(mask, len(m.unet_config.block_out_channels))
+        return state
+
+    def tokens(self, states) -> TokenLayout | None:
+        if all(s.template_role == FULL for s in states):
+            return None
+        return TokenLayout(tuple(TokenRow(s.template_role, s.recording, s.index, r, s.computed)
+                                 for s in states for r in range(s.rows)))
 
     def _check_edit(self, edit: EditInputs | None, shape: tuple[int, int]) -> None:
         if edit is None:
@@ -100,6 +131,9 @@ class Inpaint(Txt2Img):
 
     def advance(self, states, noise_pred, failed) -> None:
         super().advance(states, noise_pred, failed)
+        for s in states:
+            if s.template_role == RECORD and s.index == len(s.timesteps) - 1 and s.job.request_id not in failed:
+                self.model.templates.completed(s.recording)
         if self.model.unet_config.in_channels != 4:
             return
         for s in states:  # keep the template outside the mask, noised to the next step's level

@@ -123,6 +123,9 @@ class Txt2Img:
                 timesteps.append(model_timesteps([s.plan], [s.index], x.device, repeats=[s.rows]))
         return torch.cat(inputs), torch.cat(timesteps)
 
+    def tokens(self, states) -> None:
+        return None  # every token of every row
+
     def advance(self, states, noise, failed) -> None:
         """Guidance and the sampler step: batched when every request shares a vectorized sampler
         and one guidance, else request by request."""

@@ -1,0 +1,180 @@
+"""Token subsets (InstGenIE's mask-aware editing): edits of a template compute only their masked
+tokens in the UNet's transformer blocks and take the rest from the template's recorded activations.
+
+An edit's first run records, per step and per transformer block, the block's output for every
+token (`TemplateActivations`); a later edit of the same template (the same key: engine/workflows/
+inpaint.py says what it covers) runs each block on its masked tokens only:
+
+    x = the block's input (masked tokens computed, the others the previous block's recording)
+    q = norm1(x)[masked];  k, v from norm1(x), every token        (self-attention)
+    h = x[masked] + attn1(q, k, v);  h += attn2(norm2(h), text);  h += ff(norm3(h))
+    y = the recorded output, with h in the masked tokens
+
+So the products that grow with the tokens (Q, attention, the output projection, cross-attention,
+the feed-forward) shrink to the masked share, while K and V cover every token from the block's
+actual input. What is cached is the block's output Y, not K and V: InstGenIE measured both and Y
+is half the bytes for a latency within 10% (its Fig. 7). Convolutions, GroupNorms and the
+transformer models' projections around the blocks run on every token, as before.
+
+Reusing a recording is exact when nothing differs from the recorded run but the masked tokens'
+values were the same (the same request again); otherwise the unmasked tokens' outputs are the
+template's, not the edit's, and the deviation is measured, not assumed (tests/export/
+test_template_cache.py).
+
+The layout of a step (`TokenLayout`) is built from per-request indices made once at admission:
+no host sync per step. Runtimes that cannot serve it refuse it (`RuntimeCaps.token_subsets`).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+RECORD, REUSE, FULL = "record", "reuse", "full"
+
+
+@dataclass
+class TemplateActivations:
+    """One template's recording: each transformer block's output at each step, every token of
+    every row of the recording request. Complete once the recording request has run all its steps."""
+
+    rows: int
+    outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (step, block) -> [rows, L, C]
+    complete: bool = False
+
+    def put(self, step: int, block: int, row: int, output: torch.Tensor) -> None:
+        kept = self.outputs.get((step, block))
+        if kept is None:
+            kept = self.outputs[(step, block)] = output.new_empty((self.rows, *output.shape))
+        kept[row].copy_(output)
+
+    def get(self, step: int, block: int, row: int) -> torch.Tensor:
+        return self.outputs[(step, block)][row]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.outputs.values())
+
+
+@dataclass(frozen=True)
+class TokenRow:
+    """One UNet row of a step: what it does with a template, at which step of its recording."""
+
+    role: str  # RECORD (run every token, keep the outputs), REUSE (masked tokens only), FULL
+    activations: TemplateActivations | None = None
+    step: int = 0
+    row: int = 0  # its row in the recording request (unconditional first, as the batch's)
+    # REUSE: per token count L of a level, the [n] indices of the tokens it computes
+    computed: dict[int, torch.Tensor] | None = None
+
+
+@dataclass(frozen=True)
+class TokenLayout:
+    """The rows of a step, in batch order (StepBatch.tokens)."""
+
+    rows: tuple[TokenRow, ...]
+
+    @property
+    def any_reuse(self) -> bool:
+        return any(r.role == REUSE for r in self.rows)
+
+
+def computed_tokens(mask: torch.Tensor, levels: int) -> dict[int, torch.Tensor]:
+    """A latent-size mask [1, 1, h, w] (1: repaint) -> per level of the UNet (the latents halved
+    `level` times: the token grids its transformer blocks may run at), keyed by its token count,
+    the indices of the tokens that cover any masked latent (max-pooled: a token partly masked is
+    computed). Built once at admission, on the mask's device."""
+    out = {}
+    for h, w in ((mask.shape[-2] >> i, mask.shape[-1] >> i) for i in range(levels)):
+        pooled = F.adaptive_max_pool2d(mask.float(), (h, w)).reshape(-1)
+        out[h * w] = torch.nonzero(pooled > 0).reshape(-1)
+    return out
+
+
+class SubsetContext:
+    """What the blocks of one runtime read while it runs a step: the step's layout, or None."""
+
+    def __init__(self):
+        self.layout: TokenLayout | None = None
+        self.computed_tokens = 0  # tokens the REUSE rows computed in blocks, summed (a test's and a metric's)
+        self.all_tokens = 0  # the tokens those blocks would have computed
+
+
+def install(module: torch.nn.Module) -> SubsetContext:
+    """Let every plain transformer block of `module` (a UNet, or its halves) serve token subsets;
+    returns their shared context. Nothing else changes (only the blocks' class: weights and names
+    stay diffusers')."""
+    from diffusers.models.attention import BasicTransformerBlock
+
+    context = SubsetContext()
+    cls = _subset_block_class()
+    index = 0
+    for block in module.modules():
+        if type(block) is BasicTransformerBlock and _plain(block):
+            block.__class__ = cls
+            block._subset_context, block._subset_index = context, index
+            index += 1
+    return context
+
+
+def _plain(block) -> bool:
+    """SDXL's blocks: layer norms, self- then cross-attention, a feed-forward; nothing else."""
+    return (block.norm_type == "layer_norm" and block.pos_embed is None and not block.only_cross_attention
+            and block.attn2 is not None and block._chunk_size is None and not hasattr(block, "fuser"))
+
+
+@functools.cache  # one class: its instances share torch.compile's code
+def _subset_block_class():
+    from diffusers.models.attention import BasicTransformerBlock
+
+    class SubsetBlock(BasicTransformerBlock):
+        def forward(self, hidden_states, attention_mask=None, encoder_hidden_states=None, encoder_attention_mask=None,
+                    timestep=None, cross_attention_kwargs=None, class_labels=None, added_cond_kwargs=None):
+            layout = self._subset_context.layout
+            if layout is None or attention_mask is not None or encoder_attention_mask is not None \
+                    or cross_attention_kwargs:
+                return super().forward(hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
+                                       timestep, cross_attention_kwargs, class_labels, added_cond_kwargs)
+            return _run_rows(self, layout, hidden_states, encoder_hidden_states)
+
+    return SubsetBlock
+
+
+def _run_rows(block, layout: TokenLayout, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    """Every row of the step through `block`: REUSE rows on their masked tokens, the others whole
+    (RECORD rows' outputs kept)."""
+    from diffusers.models.attention import BasicTransformerBlock
+
+    whole = [i for i, r in enumerate(layout.rows) if r.role != REUSE]
+    out = torch.empty_like(x)
+    if whole:
+        idx = torch.tensor(whole, device=x.device)
+        y = BasicTransformerBlock.forward(block, x.index_select(0, idx), encoder_hidden_states=text.index_select(0, idx))
+        out.index_copy_(0, idx, y)
+        for k, i in enumerate(whole):
+            r = layout.rows[i]
+            if r.role == RECORD:
+                r.activations.put(r.step, block._subset_index, r.row, y[k])
+    for i, r in enumerate(layout.rows):
+        if r.role == REUSE:
+            out[i] = _masked(block, r, x[i:i + 1], text[i:i + 1])[0]
+    return out
+
+
+def _masked(block, row: TokenRow, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    """One REUSE row [1, L, C] through `block`, computing its masked tokens only."""
+    tokens = x.shape[1]
+    idx = row.computed[tokens]
+    context = block._subset_context
+    context.computed_tokens += idx.numel()
+    context.all_tokens += tokens
+    norm = block.norm1(x)
+    h = x[:, idx] + block.attn1(norm[:, idx], encoder_hidden_states=norm)
+    h = h + block.attn2(block.norm2(h), encoder_hidden_states=text)
+    h = h + block.ff(block.norm3(h))
+    y = row.activations.get(row.step, block._subset_index, row.row).unsqueeze(0).clone()
+    y[:, idx] = h
+    return y
