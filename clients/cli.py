@@ -123,6 +123,8 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--mask", type=Path, metavar="PNG", help="the edit's mask: 255 (white) repaints, 0 keeps")
     g.add_argument("--strength", type=float, metavar="S",
                    help="how far the template is noised, (0, 1] (server default: 0.9999, diffusers')")
+    g.add_argument("--template", metavar="NAME",
+                   help="the edit's template name: later edits of it reuse this one's activations (approximate)")
 
     o = sub.add_parser(
         "openai", help="serve the OpenAI images API in front of a Triton server",
@@ -339,6 +341,8 @@ def generate_kwargs(args: argparse.Namespace) -> dict:
                       mask_image=args.mask.read_bytes() if args.mask else None)
     if args.strength is not None:
         kwargs.update(strength=args.strength)
+    if args.template is not None:
+        kwargs.update(template=args.template)
     return kwargs
 
 

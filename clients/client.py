@@ -62,6 +62,7 @@ class GenerateRequest:
     image: bytes | None = None
     mask_image: bytes | None = None
     strength: float | None = None
+    template: str | None = None  # the edit's template name: later edits reuse the first's activations
 
 
 # Input name -> (Triton datatype, numpy dtype); every input has dims [1].
@@ -83,6 +84,7 @@ INPUT_TYPES: dict[str, tuple[str, Any]] = {
     "image": ("BYTES", np.object_),
     "mask_image": ("BYTES", np.object_),
     "strength": ("FP32", np.float32),
+    "template": ("BYTES", np.object_),
     "lora_scales": ("FP32", np.float32),
     "output_format": ("BYTES", np.object_),
     "quality": ("INT32", np.int32),
@@ -203,7 +205,7 @@ class EaselClient:
                  quality: int | None = None, **controls) -> GenerateResult:
         """`output_format`: "png" (default), "jpeg" or "webp"; `quality` (1-100) for jpeg/webp.
         Both are sent only when given. `controls`: controlnets, control_images, control_scales,
-        control_guidance_start/end, loras, lora_scales; an edit's image, mask_image, strength."""
+        control_guidance_start/end, loras, lora_scales; an edit's image, mask_image, strength, template."""
         request = GenerateRequest(prompt, negative_prompt, width, height, steps,
                                   guidance_scale, seed, scheduler, output_format=output_format,
                                   quality=quality, **controls)

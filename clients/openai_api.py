@@ -73,7 +73,7 @@ TRITON_FIELDS = {
     "control_scales": "controlnets", "control_guidance_start": "controlnets",
     "control_guidance_end": "controlnets", "loras": "loras", "lora_scales": "loras",
     "output_format": "output_format", "quality": "output_format",
-    "image": "image", "mask_image": "mask", "strength": "strength",
+    "image": "image", "mask_image": "mask", "strength": "strength", "template": "template",
 }
 _FIELD_RE = re.compile(r"(?:^|[\s,'\"(])(" + "|".join(sorted(TRITON_FIELDS, key=len, reverse=True))
                        + r")(?:\[\d+\])?: ")
@@ -173,6 +173,7 @@ class ImageEditRequest(_ImagesRequest):
     clients/openai_edits.py); `loras` as JSON text, as a form carries it."""
 
     strength: float | None = None
+    template: str | None = None
 
     @field_validator("loras", mode="before")
     @classmethod
@@ -562,7 +563,8 @@ def create_app(triton_url: str, *, model: str = MODEL, max_n: int = DEFAULT_MAX_
 
         def kwargs_for(deployment: Limits) -> dict[str, Any]:
             image, mask_image = easel_edit_files(files.get("image"), files.get("mask_image"), deployment)
-            return {**_generate_kwargs(body), "image": image, "mask_image": mask_image, "strength": body.strength}
+            return {**_generate_kwargs(body), "image": image, "mask_image": mask_image, "strength": body.strength,
+                    "template": body.template}
 
         return await serve("images/edits", body, request, kwargs_for)
 

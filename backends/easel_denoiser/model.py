@@ -205,7 +205,7 @@ class TritonPythonModel:
         if scaling.size != 1 or not 0.0 < float(scaling[0]) < 1e3:
             raise InvalidInput("scaling_factor", f"{scaling.tolist()} is not one positive factor")
         return {"workflow": "inpaint", "edit": EditInputs(**given, scaling_factor=float(scaling[0]),
-                                                          strength=params.strength)}
+                                                          strength=params.strength, template=params.template)}
 
     def _controls(self, request, params):
         images = pb_utils.get_input_tensor_by_name(request, "control_images").as_numpy().reshape(-1)
@@ -242,7 +242,8 @@ class TritonPythonModel:
                 continue
             params = params.with_trace(queue_s=result.queue_s, admit_s=result.admit_s, denoise_s=result.denoise_s,
                                        max_batch=result.max_batch, denoiser=self.name, lora_step=result.lora_step,
-                                       lora_wait_s=result.lora_wait_s)
+                                       lora_wait_s=result.lora_wait_s,
+                                       **({"template_use": result.template_use} if result.template_use else {}))
             sender.send(pb_utils.InferenceResponse([
                 params_tensor(params), pb_utils.Tensor("latents", np.ascontiguousarray(result.latents))]),
                 flags=FINAL)

@@ -136,3 +136,30 @@ def test_an_inpainting_unet_serves_edits_as_diffusers_and_refuses_text_to_image(
         with pytest.raises(EaselError) as err:
             client.generate("a red house", seed=1, steps=2, width=SIZE, height=SIZE)
     assert "image:" in str(err.value) and err.value.status == "StatusCode.INVALID_ARGUMENT", (err.value, err.value.status)
+
+
+def test_a_template_is_recorded_then_reused(http_client, tiny_model):
+    """`template` (runtime/token_subsets.py): the first edit of a template records its activations
+    and is exact; the same edit again reuses them (computing only its masked tokens on this CPU
+    export's eager runtime) and is still the exact image, as its recording was made by the same
+    request; `info` says which it was."""
+    image, repaint = template(4), mask()
+    req = dict(seed=9, steps=4, image=png(image), mask_image=png(repaint), strength=1.0, template="kitchen-9")
+    want = reference(tiny_model, image, repaint, 1.0, seed=9, steps=4)
+    first = http_client.generate("a red house", **req)
+    second = http_client.generate("a red house", **req)
+    assert (first.info["template"], first.info["template_use"]) == ("kitchen-9", "recorded")
+    assert second.info["template_use"] == "reused"
+    for result in (first, second):
+        assert max_abs_diff(pixels(result), want) <= TOLERANCE
+
+
+@pytest.mark.parametrize("edit, expected", [
+    (dict(template="t1"), "template: is for edits: give image and mask_image too"),
+    (dict(image=png(template()), mask_image=png(mask()), template="../etc"), "template: '../etc' is not a valid "
+                                                                              "template name"),
+])
+def test_bad_templates_fail_alone(http_client, edit, expected):
+    with pytest.raises(EaselError) as err:
+        http_client.generate("a red house", seed=1, steps=4, **edit)
+    assert expected in str(err.value) and err.value.status == "400"

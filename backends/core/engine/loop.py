@@ -48,6 +48,7 @@ class DenoiseResult:
     # boundary), "failed" (the server's fault, or a shutdown).
     kind: str | None = None
     admit_s: float = 0.0  # of queue_s: preparing it to run (TorchDenoiser.start)
+    template_use: str | None = None  # RequestState.template_use
 
     @property
     def outcome(self) -> str:
@@ -256,4 +257,4 @@ class DenoiseLoop:
         self.on_done(DenoiseResult(seq.request_id, latents, seq.error, first - seq.arrival, now - first,
                                    seq.steps_done, state.max_batch, state.lora_step, seq.waited_at_bound,
                                    seq.bound_wait_s, kind=kind if seq.status is not Status.FINISHED else None,
-                                   admit_s=state.admit_s))
+                                   admit_s=state.admit_s, template_use=state.template_use))

@@ -115,6 +115,9 @@ class RequestState:
     plan: SamplerPlan | None = None
     serial: int = field(default_factory=_SERIALS.__next__)  # names its text rows (StepBatch.text_key)
     admit_s: float = 0.0  # start()'s time: its sampler, noise and copies to the device
+    # A template edit: "recorded" (it ran exactly and recorded the template's activations) or
+    # "reused" (approximate: its unmasked tokens came from a recording); None: neither.
+    template_use: str | None = None
 
     @property
     def rows(self) -> int:

@@ -24,9 +24,9 @@ MAX_LORA_SCALE = 4.0  # diffusers takes any; past this a LoRA only breaks the im
 NAME_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.-]{0,127}")
 
 
-def check_name(field_name: str, name: str) -> str:
+def check_name(field_name: str, name: str, kind: str = "adapter") -> str:
     if not isinstance(name, str) or not NAME_PATTERN.fullmatch(name):
-        raise InvalidInput(field_name, f"{shorten(name)} is not a valid adapter name "
+        raise InvalidInput(field_name, f"{shorten(name)} is not a valid {kind} name "
                                        "(letters, digits, '_', '.', '-'; at most 128; no paths)")
     return name
 
@@ -84,7 +84,17 @@ def validate_request(raw: Mapping[str, Any], limits: Limits) -> GenerateParams:
     loras = validate_loras(raw.get("loras"), raw.get("lora_scales"), limits.max_loras)
     if edit is not None and controls:  # (the inpaint workflow's refusal, before the VAE encodes anything)
         raise InvalidInput("controlnets", "are not supported with inpainting")
-    return dataclasses.replace(params, controls=tuple(controls), loras=tuple(loras))
+    template = _template(raw.get("template"), params)
+    return dataclasses.replace(params, controls=tuple(controls), loras=tuple(loras), template=template)
+
+
+def _template(name, params: GenerateParams) -> str | None:
+    if name is None:
+        return None
+    if params.strength is None:
+        raise InvalidInput("template", "is for edits: give image and mask_image too")
+    return check_name("template", name.decode("utf-8", "replace") if isinstance(name, bytes) else str(name),
+                      "template")
 
 
 def validate_loras(names: Sequence[bytes] | None, scales: Sequence[float] | None, max_loras: int) -> list[LoraParams]:
@@ -144,4 +154,5 @@ def checked_params(data: bytes | str, limits: Limits) -> GenerateParams:
         if isinstance(exc, InvalidInput):
             raise
         raise InvalidInput("params", f"has a value of the wrong type ({shorten(str(exc))})") from None
+    _template(params.template, checked)
     return dataclasses.replace(params, **{f: getattr(checked, f) for f in raw})

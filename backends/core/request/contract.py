@@ -64,6 +64,9 @@ PUBLIC = ModelDecl(
         _t("image", "BYTES", 1, optional=True),
         _t("mask_image", "BYTES", 1, optional=True),
         _t("strength", "FP32", 1, optional=True),
+        # An edit's template name: its first edit records activations that later ones reuse for
+        # their unmasked tokens (approximate; where the runtime cannot, the edit is exact).
+        _t("template", "BYTES", 1, optional=True),
     ),
     outputs=(_t("image", "BYTES", 1), _t("info", "BYTES", 1)),
 )

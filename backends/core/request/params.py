@@ -126,6 +126,9 @@ class GenerateParams:
     # An edit (the template and mask travel beside the params, request/edit_inputs.py): how far
     # the template is noised before denoising starts, in (0, 1]. None: text to image.
     strength: float | None = None
+    # An edit's template name: its activations are recorded by its first edit and reused by later
+    # ones (approximate; runtime/token_subsets.py). None: exact inpainting.
+    template: str | None = None
     # Stage timings and other facts that travel with the request into `info`.
     trace: dict[str, Any] = field(default_factory=dict)
 

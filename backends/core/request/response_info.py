@@ -24,6 +24,9 @@ def response_info(params: GenerateParams) -> dict:
             "lora_wait_s": trace.pop("lora_wait_s", None), "stages_s": trace}
     if params.strength is not None:
         info["strength"] = params.strength
+    use = trace.pop("template_use", None)
+    if params.template is not None:  # "exact" where the runtime could not use the template's recording
+        info["template"], info["template_use"] = params.template, use or "exact"
     if received is not None:
         info["total_s"] = time.time() - received
     return info

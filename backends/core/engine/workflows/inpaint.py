@@ -90,6 +90,7 @@ class Inpaint(Txt2Img):
         if edit.template is not None and m.token_subsets:
             reuse, state.recording = m.templates.take(template_key(job, state.rows), state.rows)
             state.template_role = REUSE if reuse else RECORD
+            state.template_use = "reused" if reuse else "recorded"
             if reuse:
                 state.computed = computed_tokens(mask, len(m.unet_config.block_out_channels))
         return state
