@@ -7,6 +7,16 @@ import logging
 import sys
 
 
+def _gib_triple(text: str) -> tuple[float, float, float]:
+    try:
+        values = tuple(float(v) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--template-cache-gib: {text!r} is not three numbers") from None
+    if len(values) != 3 or min(values) < 0:
+        raise argparse.ArgumentTypeError(f"--template-cache-gib: {text!r} must be DEVICE,HOST,DISK GiB, each 0 or more")
+    return values
+
+
 def int_list(flag: str, minimum: int = 1):
     """An argparse type: a comma-separated list of integers, each `minimum` or more."""
     def parse(text: str) -> tuple[int, ...]:
@@ -97,6 +107,10 @@ def parser() -> argparse.ArgumentParser:
                      help="steps a request may run while its LoRAs load (0: wait for them; exact)")
     exp.add_argument("--lora-loaders", type=int, default=2,
                      help="processes per denoiser that load LoRA files (in parallel; one that crashes is replaced)")
+    exp.add_argument("--template-cache-gib", type=_gib_triple, default=(8.0, 0.0, 0.0), metavar="DEVICE,HOST,DISK",
+                     help="GiB per denoiser of templates' recorded activations (the `template` input) on the "
+                          "device, in host memory and on disk (<denoiser>/1/template_cache/; kept across restarts) "
+                          "(default: 8,0,0)")
     exp.add_argument("--controlnet-gpus", type=_gpus, default=None,
                      help="GPU ids of the ControlNet service (default: the denoisers' GPUs, both of each "
                           "--cfg-parallel pair)")
@@ -174,7 +188,7 @@ def main(argv: list[str] | None = None) -> int:
                                 controlnet_row_split=args.controlnet_row_split, runtime=args.runtime, row_buckets=args.row_buckets, warmup_sizes=args.warmup_sizes,
                                 channels_last=args.channels_last, fused_kernels=args.fused_kernels,
                                 vae_attention=args.vae_attention, vae_dtype=args.vae_dtype, fp8=args.fp8,
-                                fp8_fast_accum=args.fp8_fast_accum)
+                                fp8_fast_accum=args.fp8_fast_accum, template_cache_gib=args.template_cache_gib)
         export_repository(args.model, args.out, options)
         return 0
     if args.command == "profile-lora":

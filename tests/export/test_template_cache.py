@@ -66,12 +66,12 @@ def test_a_template_is_recorded_once_and_its_edits_compute_their_masked_tokens(s
     want = latents(exact, dataclasses.replace(job(setup, "x"), edit=dataclasses.replace(job(setup, "x").edit,
                                                                                        template=None)))
     recorded = latents(cached, job(setup, "record"))
-    assert cached.templates.misses == 1 and cached.templates.nbytes > 0
+    assert cached.templates.stats.misses == 1 and cached.templates.nbytes("device") > 0
     assert np.abs(recorded - want).max() <= TOL  # recording runs every token
     context = cached.runtime.subsets
     before = (context.computed_tokens, context.all_tokens)
     again = latents(cached, job(setup, "reuse"))
-    assert cached.templates.hits == 1
+    assert cached.templates.stats.hits["device"] == 1
     computed, whole = context.computed_tokens - before[0], context.all_tokens - before[1]
     assert 0 < computed < whole, (computed, whole)  # only the masked tokens ran in the blocks
     print(f"template reuse: {computed} of {whole} block tokens computed ({computed / whole:.0%})")
@@ -83,9 +83,9 @@ def test_another_prompt_reuses_the_recording_within_the_measured_deviation(setup
     latents(cached, job(setup, "record", template="porch"))
     other = job(setup, "other", prompt="a green door", template="porch")
     want = latents(exact, dataclasses.replace(other, edit=dataclasses.replace(other.edit, template=None)))
-    hits = cached.templates.hits
+    hits = cached.templates.stats.hits["device"]
     got = latents(cached, other)
-    assert cached.templates.hits == hits + 1
+    assert cached.templates.stats.hits["device"] == hits + 1
     deviation = np.abs(got - want).max() / np.abs(want).max()
     print(f"template reuse, another prompt: deviation {deviation:.4f} of the exact latents' largest magnitude")
     assert 0 < deviation <= APPROXIMATE, deviation
@@ -94,9 +94,75 @@ def test_another_prompt_reuses_the_recording_within_the_measured_deviation(setup
 def test_another_seed_is_another_recording(setup):
     exact, cached, *_ = setup
     latents(cached, job(setup, "first", seed=11, template="gate"))
-    misses = cached.templates.misses
+    misses = cached.templates.stats.misses
     seeded = job(setup, "second", seed=12, template="gate")
     got = latents(cached, seeded)
-    assert cached.templates.misses == misses + 1  # recorded, not reused
+    assert cached.templates.stats.misses == misses + 1  # recorded, not reused
     want = latents(exact, dataclasses.replace(seeded, edit=dataclasses.replace(seeded.edit, template=None)))
     assert np.abs(got - want).max() <= TOL
+
+
+def recording(rows=2, steps=3, blocks=2, tokens=16, width=8, seed=0):
+    import torch
+
+    from backends.core.runtime.token_subsets import TemplateActivations
+
+    g = torch.Generator().manual_seed(seed)
+    r = TemplateActivations(rows)
+    for step in range(steps):
+        for block in range(blocks):
+            for row in range(rows):
+                r.put(step, block, row, torch.randn(tokens, width, generator=g))
+    return r
+
+
+def test_recordings_move_down_the_tiers_and_survive_a_restart(tmp_path):
+    """Past the device budget a recording goes to the host tier, past the host budget it is
+    dropped there but its file stays; a new cache on the same folder (a restart) finds it."""
+    import torch
+
+    from backends.core.engine.template_cache import TemplateCache
+
+    one = recording().nbytes  # 2 rows x 3 steps x 2 blocks x 16 x 8 floats
+    cache = TemplateCache("cpu", device_bytes=one, host_bytes=one, disk_bytes=10 * one, folder=tmp_path / "t")
+    made = {}
+    for name in ("a", "b", "c"):
+        reuse, r = cache.take((name, 1), 2)
+        assert not reuse
+        made[name] = recording(seed=ord(name))
+        r.outputs.update(made[name].outputs)
+        cache.completed(r, (name, 1))
+    assert cache.stats.evictions["device"] == 2 and cache.stats.evictions["host"] == 1
+    assert len(list((tmp_path / "t").glob("*.safetensors"))) == 3
+    reuse, r = cache.take(("b", 1), 2)  # in the host tier
+    assert reuse and cache.stats.hits["host"] == 1 and torch.equal(r.get(2, 1, 1), made["b"].get(2, 1, 1))
+    reuse, r = cache.take(("a", 1), 2)  # dropped from memory: its file
+    assert reuse and cache.stats.hits["disk"] == 1 and torch.equal(r.get(0, 0, 0), made["a"].get(0, 0, 0))
+
+    (tmp_path / "t" / "stray.safetensors").write_bytes(b"not a recording")
+    restarted = TemplateCache("cpu", device_bytes=one, disk_bytes=10 * one, folder=tmp_path / "t")
+    reuse, r = restarted.take(("c", 1), 2)
+    assert reuse and restarted.stats.hits["disk"] == 1 and torch.equal(r.get(1, 0, 1), made["c"].get(1, 0, 1))
+    assert not restarted.take(("d", 1), 2)[0]
+
+    small = TemplateCache("cpu", device_bytes=one, disk_bytes=one * 3 // 2, folder=tmp_path / "t")
+    _, r = small.take(("e", 1), 2)
+    r.outputs.update(recording(seed=5).outputs)
+    small.completed(r, ("e", 1))
+    assert small.stats.evictions["disk"] >= 1 and small.nbytes("disk") <= one * 3 // 2
+
+
+def test_the_export_flag_sizes_each_tier():
+    import argparse
+
+    from backends.core.engine.config import DenoiserConfig
+    from export.cli import _gib_triple
+
+    assert _gib_triple("8,16.5,100") == (8.0, 16.5, 100.0)
+    for bad in ("8,16", "a,b,c", "1,-1,0"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--template-cache-gib"):
+            _gib_triple(bad)
+    config = DenoiserConfig.from_json(DenoiserConfig(template_cache_mib=(1024, 2048, 0)).to_json())
+    assert config.template_cache_mib == (1024, 2048, 0)
+    with pytest.raises(ValueError, match="denoiser.template_cache_mib"):
+        DenoiserConfig(template_cache_mib=(1, 2))

@@ -22,6 +22,7 @@ from backends.core.engine.config import DenoiserConfig
 from backends.core.engine.denoiser import TorchDenoiser
 from backends.core.engine.loop import DenoiseLoop, DenoiseResult
 from backends.core.engine.step_batcher import BatcherConfig
+from backends.core.engine.template_cache import TemplateCache
 from backends.core.request.params import GenerateParams, InvalidInput
 from backends.core.runtime.artifacts import UNET_DIR, load_unet_halves
 from backends.core.runtime.base import StepBatch, UNetRuntime
@@ -30,6 +31,7 @@ from backends.core.runtime.placement import Placement
 from backends.core.runtime.specs import unet_pooled_dim
 from backends.core.runtime.torch_eager import EagerUNetRuntime
 
+TEMPLATE_FOLDER = "template_cache"  # beside the denoiser's weights: templates' recordings on disk
 log = logging.getLogger(__name__)
 LOADER_START_TIMEOUT_S = 300
 
@@ -115,8 +117,11 @@ def build_denoiser(config: DenoiserConfig, folder: str | Path, placement: Placem
     `publish_load(work)` is told the loop's outstanding work whenever it changes (routing)."""
     folder = Path(folder)
     runtime = build_runtime(folder, placement, config.runtime, config.cfg_parallel_device)
+    device_mib, host_mib, disk_mib = config.template_cache_mib
+    templates = TemplateCache(placement.device, device_mib << 20, host_mib << 20, disk_mib << 20,
+                              folder / TEMPLATE_FOLDER)
     engine = TorchDenoiser(folder, placement, controlnet_mode=config.controlnet_mode, runtime=runtime,
-                           controlnet_row_split=config.controlnet_row_split)
+                           controlnet_row_split=config.controlnet_row_split, templates=templates)
     store = AdapterStore(store_folder) if store_folder else None
     if controlnets is not None and config.controlnet_model:
         engine.controls.provider = controlnets(engine, store)

@@ -46,6 +46,9 @@ class DenoiserConfig:
     # rows, e.g. "cuda:1"; the denoiser's own runs the rest. "cpu" beside a CPU denoiser runs the
     # same split on a second copy there (tests the wiring; no speed-up). None: one device.
     cfg_parallel_device: str | None = None
+    # MiB of templates' recorded activations on the device, in host memory and on disk, in the
+    # folder template_cache/ beside the denoiser's weights (engine/template_cache.py).
+    template_cache_mib: tuple[int, int, int] = (8192, 0, 0)
 
     def __post_init__(self):
         if isinstance(self.limits, dict):
@@ -55,6 +58,9 @@ class DenoiserConfig:
         for name in ("max_running", "max_batch_rows", "lora_loaders", "controlnet_instances"):
             if getattr(self, name) < 1:
                 raise ValueError(f"denoiser.{name}: {getattr(self, name)} is not a positive number")
+        object.__setattr__(self, "template_cache_mib", tuple(self.template_cache_mib))
+        if len(self.template_cache_mib) != 3 or min(self.template_cache_mib) < 0:
+            raise ValueError(f"denoiser.template_cache_mib: {self.template_cache_mib} is not three sizes of 0 or more")
         if self.max_queue < 0:
             raise ValueError(f"denoiser.max_queue: {self.max_queue} is negative")
         if self.lora_bound_steps < 0:

@@ -36,9 +36,11 @@ VAE_SCALE_FACTOR_FILE = "vae_scale_factor.json"
 
 class TorchDenoiser:
     def __init__(self, folder: str | Path, placement: Placement, controlnets: ResidualProvider | None = None,
-                 controlnet_mode: str = "sync", runtime: UNetRuntime | None = None, controlnet_row_split: bool = False):
+                 controlnet_mode: str = "sync", runtime: UNetRuntime | None = None, controlnet_row_split: bool = False,
+                 templates: TemplateCache | None = None):
         """`runtime`: how the UNet runs (backends/core/runtime); default: eager over the folder's halves.
-        `controlnet_mode`, `controlnet_row_split`: DenoiserConfig's."""
+        `controlnet_mode`, `controlnet_row_split`: DenoiserConfig's. `templates`: where templates'
+        recordings are kept (default: the device's memory only)."""
         self.folder = folder = Path(folder)
         self.placement = placement
         self.device = torch.device(placement.device)
@@ -57,7 +59,7 @@ class TorchDenoiser:
         self.loras = LoraPolicy(self.runtime)
         vae_scale_factor = json.loads((folder / VAE_SCALE_FACTOR_FILE).read_text())["vae_scale_factor"]
         self.schedulers = SchedulerPrototypes(_load_scheduler(folder / "scheduler"), self.device)
-        self.templates = TemplateCache()
+        self.templates = templates if templates is not None else TemplateCache(self.device)
         model = Model(self.device, self.dtype, self.unet.config, vae_scale_factor, self.schedulers, self.controls,
                       self.templates, token_subsets=self.runtime.caps.token_subsets)
         self.workflows = {name: cls(model) for name, cls in WORKFLOWS.items()}

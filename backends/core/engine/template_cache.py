@@ -4,54 +4,180 @@ A recording belongs to a key: the template's name and everything that changes wh
 output besides the edit's own masked tokens (engine/workflows/inpaint.py, `template_key`). The
 first edit of a key records; once it has run all its steps, later edits of the key reuse it.
 An edit that finds a recording still being made records one of its own (the first may have been
-cancelled), which replaces it. Least recently used recordings go first past `budget_bytes`; one in
-use by a running edit stays with that edit until it ends.
+cancelled), which replaces it.
+
+Three tiers, each least recently used first out past its byte budget: the device (where edits
+read recordings), host memory (pinned on a GPU host) and a folder of safetensors files, one per
+recording, written when it completes, so recordings survive a restart (the folder's files are
+indexed at start from their metadata; nothing but safetensors is read, nothing is unpickled). A
+recording leaving the device goes to the host tier, one leaving the host tier is dropped (its
+file stays). A hit in a lower tier copies the recording to the device before the edit starts. Replicas
+that share weights share the folder: a file another one dropped is a miss.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import logging
+import os
 import threading
 from collections import OrderedDict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
 
 from backends.core.runtime.token_subsets import TemplateActivations
 
-DEFAULT_BUDGET_BYTES = 8 << 30
+log = logging.getLogger(__name__)
+
+DEFAULT_DEVICE_BYTES = 8 << 30
+TIERS = ("device", "host", "disk")
+
+
+@dataclass
+class TemplateCacheStats:
+    hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
+    misses: int = 0
+    loaded_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("host", "disk"), 0))
+    evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
 
 
 class TemplateCache:
-    def __init__(self, budget_bytes: int = DEFAULT_BUDGET_BYTES):
-        self.budget_bytes = budget_bytes
-        self._entries: OrderedDict[tuple, TemplateActivations] = OrderedDict()
+    def __init__(self, device: torch.device | str = "cpu", device_bytes: int = DEFAULT_DEVICE_BYTES,
+                 host_bytes: int = 0, disk_bytes: int = 0, folder: str | os.PathLike | None = None):
+        self.device = torch.device(device)
+        self.budgets = {"device": device_bytes, "host": host_bytes, "disk": disk_bytes if folder else 0}
+        self.folder = Path(folder) if folder and disk_bytes else None
+        self.stats = TemplateCacheStats()
+        self._tiers: dict[str, OrderedDict] = {tier: OrderedDict() for tier in TIERS}  # key -> recording (disk: path)
         self._lock = threading.Lock()
-        self.hits = self.misses = self.evictions = 0
+        if self.folder is not None:
+            self.folder.mkdir(parents=True, exist_ok=True)
+            self._index_folder()
 
     def take(self, key: tuple, rows: int) -> tuple[bool, TemplateActivations]:
-        """(True, the recording) for an edit that reuses one, or (False, a new one to fill)."""
+        """(True, the recording on the device) for an edit that reuses one, or (False, a new one
+        to fill)."""
+        name = _key_text(key)
         with self._lock:
-            kept = self._entries.get(key)
-            if kept is not None and kept.complete:
-                self._entries.move_to_end(key)
-                self.hits += 1
+            for tier in TIERS:
+                kept = self._tiers[tier].get(name)
+                if kept is None or (tier == "device" and not kept.complete):
+                    continue
+                if tier != "device":
+                    try:
+                        kept = self._load(tier, name, kept)
+                    except OSError:  # its file went (another denoiser sharing the folder dropped it)
+                        self._tiers[tier].pop(name)
+                        continue
+                self.stats.hits[tier] += 1
+                self._tiers["device"][name] = kept
+                self._tiers["device"].move_to_end(name)
                 return True, kept
-            self.misses += 1
-            fresh = self._entries[key] = TemplateActivations(rows)
-            self._entries.move_to_end(key)
+            self.stats.misses += 1
+            fresh = self._tiers["device"][name] = TemplateActivations(rows)
+            self._tiers["device"].move_to_end(name)
             return False, fresh
 
-    def completed(self, recording: TemplateActivations) -> None:
-        """Its edit ran every step: later edits may reuse it. Over the budget, the least recently
-        used others go."""
+    def completed(self, recording: TemplateActivations, key: tuple) -> None:
+        """Its edit ran every step: later edits may reuse it. Its file is written (with a disk
+        tier), and each tier sheds its least recently used recordings past its budget."""
+        name = _key_text(key)
         with self._lock:
             recording.complete = True
-            total = sum(r.nbytes for r in self._entries.values())
-            for key in list(self._entries):
-                if total <= self.budget_bytes:
-                    break
-                if self._entries[key] is not recording:
-                    total -= self._entries.pop(key).nbytes
-                    self.evictions += 1
+            if self.folder is not None:
+                self._write(name, recording)
+            self._shed("device", keep=recording)
+            self._shed("host")
+            self._shed("disk")
 
-    @property
-    def nbytes(self) -> int:
+    def nbytes(self, tier: str) -> int:
         with self._lock:
-            return sum(r.nbytes for r in self._entries.values())
+            return self._bytes(tier)
+
+    def _bytes(self, tier: str) -> int:
+        if tier == "disk":
+            return sum(p.stat().st_size for p in self._tiers["disk"].values() if p.exists())
+        return sum(r.nbytes for r in self._tiers[tier].values())
+
+    def _shed(self, tier: str, keep: TemplateActivations | None = None) -> None:
+        entries = self._tiers[tier]
+        total = self._bytes(tier)
+        for name in list(entries):
+            if total <= self.budgets[tier]:
+                return
+            kept = entries[name]
+            if kept is keep or (tier == "device" and not kept.complete):
+                continue  # the one just made, or one being recorded
+            entries.pop(name)
+            self.stats.evictions[tier] += 1
+            if tier == "disk":
+                total -= kept.stat().st_size
+                kept.unlink(missing_ok=True)
+                continue
+            total -= kept.nbytes
+            if tier == "device" and self.budgets["host"]:
+                self._tiers["host"][name] = _moved(kept, torch.device("cpu"), pin=self.device.type == "cuda")
+
+    def _load(self, tier: str, name: str, kept) -> TemplateActivations:
+        if tier == "disk":
+            from safetensors.torch import load_file
+
+            recording = _from_file(load_file(str(kept), device="cpu"), kept)
+            self.stats.loaded_bytes["disk"] += kept.stat().st_size
+            self._tiers["disk"].move_to_end(name)
+        else:
+            recording = kept
+            self._tiers["host"].pop(name)
+            self.stats.loaded_bytes["host"] += kept.nbytes
+        return _moved(recording, self.device)
+
+    def _write(self, name: str, recording: TemplateActivations) -> None:
+        from safetensors.torch import save_file
+
+        path = self.folder / f"{hashlib.sha256(name.encode()).hexdigest()[:32]}.safetensors"
+        tensors = {f"{step}.{block}": t.contiguous().cpu() for (step, block), t in recording.outputs.items()}
+        partial = path.with_suffix(".partial")
+        save_file(tensors, str(partial), metadata={"key": name, "rows": str(recording.rows)})
+        partial.replace(path)  # whole or absent: a crash mid-write leaves no file that looks complete
+        self._tiers["disk"][name] = path
+        self._tiers["disk"].move_to_end(name)
+
+    def _index_folder(self) -> None:
+        from safetensors import safe_open
+
+        for path in sorted(self.folder.glob("*.safetensors"), key=lambda p: p.stat().st_mtime):
+            try:
+                with safe_open(str(path), framework="pt") as f:
+                    name = (f.metadata() or {})["key"]
+            except Exception:  # not one of ours, or torn: left alone, never read again
+                log.warning("template cache: %s is not a recording; skipped", path.name)
+                continue
+            self._tiers["disk"][name] = path
+        partials = list(self.folder.glob("*.partial"))
+        for path in partials:
+            path.unlink(missing_ok=True)
+        log.info("template cache: %d recordings on disk in %s", len(self._tiers["disk"]), self.folder)
+
+
+def _key_text(key: tuple) -> str:
+    return json.dumps(key, separators=(",", ":"))
+
+
+def _moved(recording: TemplateActivations, device: torch.device, pin: bool = False) -> TemplateActivations:
+    def move(t):
+        t = t.to(device, non_blocking=device.type == "cuda")
+        return t.pin_memory() if pin else t
+
+    return TemplateActivations(recording.rows, {k: move(t) for k, t in recording.outputs.items()}, complete=True)
+
+
+def _from_file(tensors: dict[str, torch.Tensor], path: Path) -> TemplateActivations:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        rows = int(f.metadata()["rows"])
+    outputs = {tuple(int(p) for p in name.split(".")): t for name, t in tensors.items()}
+    return TemplateActivations(rows, outputs, complete=True)

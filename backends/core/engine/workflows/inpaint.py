@@ -40,6 +40,7 @@ class InpaintState(RequestState):
     # A template edit (EditInputs.template): RECORD or REUSE its activations, the recording, and
     # (REUSE) the tokens it computes at each level, made at admission.
     template_role: str = FULL
+    template_key: tuple | None = None
     recording: TemplateActivations | None = None
     computed: dict[int, torch.Tensor] | None = None
 
@@ -88,7 +89,8 @@ class Inpaint(Txt2Img):
         state = self.state(job, sched, timesteps, latents, self.step_kwargs(sched, generator), None, cls=InpaintState,
                            image_latents=image_latents, noise=drawn, mask=mask, masked_latents=masked_latents)
         if edit.template is not None and m.token_subsets:
-            reuse, state.recording = m.templates.take(template_key(job, state.rows), state.rows)
+            state.template_key = template_key(job, state.rows)
+            reuse, state.recording = m.templates.take(state.template_key, state.rows)
             state.template_role = REUSE if reuse else RECORD
             state.template_use = "reused" if reuse else "recorded"
             if reuse:
@@ -134,7 +136,7 @@ class Inpaint(Txt2Img):
         super().advance(states, noise_pred, failed)
         for s in states:
             if s.template_role == RECORD and s.index == len(s.timesteps) - 1 and s.job.request_id not in failed:
-                self.model.templates.completed(s.recording)
+                self.model.templates.completed(s.recording, s.template_key)
         if self.model.unet_config.in_channels != 4:
             return
         for s in states:  # keep the template outside the mask, noised to the next step's level
