@@ -19,7 +19,8 @@ import numpy as np
 import triton_python_backend_utils as pb_utils
 
 from backends.triton.bls_controlnets import BlsControlNets
-from backends.triton.metrics import ControlNetCallMetrics, LoraMetrics, RequestMetrics, RuntimeMetrics
+from backends.triton.metrics import (ControlNetCallMetrics, LoraMetrics, RequestMetrics, RuntimeMetrics,
+                                     TemplateMetrics)
 from backends.triton.metrics import StepMetrics
 from backends.core.serving.load_board import LoadWriter
 from backends.core.serving.preview_board import MAX_KEY_LENGTH, valid_key, write_preview
@@ -91,6 +92,7 @@ class TritonPythonModel:
         self.metrics = LoraMetrics(args, engine.loras.merger)
         self.control_metrics = ControlNetCallMetrics(args, engine)
         self.runtime_metrics = RuntimeMetrics(args, self.denoiser)
+        self.template_metrics = TemplateMetrics(args, self.denoiser)
         self.loop = self.denoiser.loop
         self.step_metrics = StepMetrics(args, self.loop.stats)  # queue, running, step times: its own thread
         self.loop.start()
@@ -226,6 +228,7 @@ class TritonPythonModel:
             self.metrics.record(self.lora_loads.pop(result.request_id, None), result)
             self.control_metrics.update()
             self.runtime_metrics.update()
+            self.template_metrics.update()
             if result.error is not None:
                 code = code_of(CODES[result.outcome]) if result.outcome in CODES else None
                 if code is None:
@@ -256,4 +259,5 @@ class TritonPythonModel:
         self.outbox.put(None)
         self.sender.join(timeout=30)
         self.step_metrics.stop()
-        drop_metrics(self, "request_metrics", "metrics", "control_metrics", "runtime_metrics", "step_metrics")
+        drop_metrics(self, "request_metrics", "metrics", "control_metrics", "runtime_metrics", "template_metrics",
+                     "step_metrics")

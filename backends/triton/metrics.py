@@ -120,6 +120,60 @@ class RuntimeMetrics:
         self.metrics.set_total("captures", stats.captures)
 
 
+class TemplateMetrics:
+    """Templates' recordings (backends/core/engine/template_cache.py) by tier, and the share of
+    their edits' block tokens computed (runtime/token_subsets.py)."""
+
+    TIERED = {  # key -> (name, description, kind), one metric per tier
+        "hits": ("easel_template_hits_total", "template edits that found their recording, by tier", "counter"),
+        "loaded_bytes": ("easel_template_loaded_bytes_total", "bytes of recordings brought to the device",
+                         "counter"),
+        "evictions": ("easel_template_evictions_total", "recordings that left a tier for want of room", "counter"),
+        "bytes": ("easel_template_bytes", "bytes of recordings in a tier", "gauge"),
+    }
+
+    def __init__(self, args, denoiser):
+        from backends.core.engine.template_cache import TIERS
+
+        self.engine = denoiser.engine
+        labels = {"model": args["model_name"]}
+        kinds = {"counter": pb_utils.MetricFamily.COUNTER, "gauge": pb_utils.MetricFamily.GAUGE}
+        # One family per name, a metric per tier (the families must outlive their metrics).
+        self.families = {key: pb_utils.MetricFamily(name=name, description=desc, kind=kinds[kind])
+                         for key, (name, desc, kind) in self.TIERED.items()}
+        self.tiered = {(key, tier): family.Metric(labels={**labels, "tier": tier})
+                       for key, family in self.families.items() for tier in TIERS
+                       if key != "loaded_bytes" or tier != "device"}
+        self.totals: dict[tuple, float] = {}
+        self.metrics = Metrics(labels, {
+            "misses": ("easel_template_misses_total", "template edits that recorded (no recording to reuse)",
+                       "counter"),
+            "load_s": ("easel_template_load_seconds_total", "seconds admissions spent bringing recordings to the "
+                                                             "device", "counter"),
+            "computed": ("easel_template_computed_tokens_total",
+                         "block tokens computed by edits that reused a recording", "counter"),
+            "tokens": ("easel_template_tokens_total", "block tokens those edits would have computed whole",
+                       "counter"),
+        })
+
+    def update(self) -> None:
+        cache = self.engine.templates
+        stats = cache.stats
+        for (key, tier), metric in self.tiered.items():
+            if key == "bytes":
+                metric.set(cache.nbytes(tier))
+                continue
+            total = getattr(stats, key)[tier]
+            metric.increment(total - self.totals.get((key, tier), 0))
+            self.totals[(key, tier)] = total
+        self.metrics.set_total("misses", stats.misses)
+        self.metrics.set_total("load_s", stats.load_seconds)
+        subsets = getattr(self.engine.runtime, "subsets", None)
+        if subsets is not None:
+            self.metrics.set_total("computed", subsets.computed_tokens)
+            self.metrics.set_total("tokens", subsets.all_tokens)
+
+
 # Histogram buckets (upper bounds; Prometheus adds +Inf). Step parts range from a sampler update's
 # fraction of a millisecond to a UNet half's seconds on a busy CPU.
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)

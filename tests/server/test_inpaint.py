@@ -163,3 +163,20 @@ def test_bad_templates_fail_alone(http_client, edit, expected):
     with pytest.raises(EaselError) as err:
         http_client.generate("a red house", seed=1, steps=4, **edit)
     assert expected in str(err.value) and err.value.status == "400"
+
+
+def test_the_template_cache_reports_its_tiers(http_client, server):
+    """After the recorded and reused edits above (or these): hits on the device, misses, the
+    block tokens the reused edits computed, and the recordings' bytes, as Prometheus metrics."""
+    from tests.server.conftest import metric_values
+
+    req = dict(seed=2, steps=4, image=png(template(5)), mask_image=png(mask()), strength=1.0, template="metrics-2")
+    http_client.generate("a red house", **req)
+    http_client.generate("a red house", **req)
+    hits = metric_values(server, "easel_template_hits_total")
+    assert sum(v for labels, v in hits.items() if 'tier="device"' in labels) >= 1, hits
+    assert sum(metric_values(server, "easel_template_misses_total").values()) >= 1
+    computed = sum(metric_values(server, "easel_template_computed_tokens_total").values())
+    assert 0 < computed < sum(metric_values(server, "easel_template_tokens_total").values())
+    stored = metric_values(server, "easel_template_bytes")
+    assert sum(v for labels, v in stored.items() if 'tier="device"' in labels) > 0, stored

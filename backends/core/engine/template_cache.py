@@ -22,6 +22,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,8 @@ class TemplateCacheStats:
     hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     misses: int = 0
     loaded_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("host", "disk"), 0))
+    # Seconds admissions spent bringing recordings to the device (they wait for it, for now)
+    load_seconds: float = 0.0
     evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
 
 
@@ -122,6 +125,13 @@ class TemplateCache:
                 self._tiers["host"][name] = _moved(kept, torch.device("cpu"), pin=self.device.type == "cuda")
 
     def _load(self, tier: str, name: str, kept) -> TemplateActivations:
+        start = time.perf_counter()
+        try:
+            return self._loaded(tier, name, kept)
+        finally:
+            self.stats.load_seconds += time.perf_counter() - start
+
+    def _loaded(self, tier: str, name: str, kept) -> TemplateActivations:
         if tier == "disk":
             from safetensors.torch import load_file
 
