@@ -166,3 +166,28 @@ def test_the_export_flag_sizes_each_tier():
     assert config.template_cache_mib == (1024, 2048, 0)
     with pytest.raises(ValueError, match="denoiser.template_cache_mib"):
         DenoiserConfig(template_cache_mib=(1, 2))
+
+
+def test_edits_of_different_masks_share_a_step(setup):
+    """Two reusing edits with masks of different sizes in one step (their tokens padded to the
+    longer's) give what each gives alone."""
+    exact, cached, encoder, pipe, image, mask = setup
+    small = np.zeros_like(mask)
+    small[8:24, 40:56] = 255
+    latents(cached, job(setup, "record", template="bench"))
+    wide = job(setup, "wide", template="bench")
+    narrow = job(setup, "narrow", prompt="a blue window", template="bench")
+    arrays = encode_edit_arrays(pipe, image, small)
+    narrow = dataclasses.replace(narrow, edit=dataclasses.replace(narrow.edit, **arrays))
+    alone = [latents(cached, j) for j in (wide, narrow)]
+    together = run(cached, [wide, narrow])
+    assert all(r.error is None for r in together)
+    for got, want in zip(together, alone):
+        assert np.abs(got.latents - want).max() <= TOL
+
+
+def encode_edit_arrays(pipe, image, mask):
+    from backends.core.stages.vae_encoding import encode_edit
+
+    arrays = encode_edit(pipe.vae, image, mask, pipe.vae_scale_factor)
+    return {"mask": arrays["mask"], "masked_mean": arrays["masked_mean"], "masked_std": arrays["masked_std"]}

@@ -144,11 +144,12 @@ def _subset_block_class():
 
 
 def _run_rows(block, layout: TokenLayout, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-    """Every row of the step through `block`: REUSE rows on their masked tokens, the others whole
-    (RECORD rows' outputs kept)."""
+    """Every row of the step through `block`: REUSE rows together on their masked tokens, the
+    others whole (RECORD rows' outputs kept)."""
     from diffusers.models.attention import BasicTransformerBlock
 
     whole = [i for i, r in enumerate(layout.rows) if r.role != REUSE]
+    reuse = [i for i, r in enumerate(layout.rows) if r.role == REUSE]
     out = torch.empty_like(x)
     if whole:
         idx = torch.tensor(whole, device=x.device)
@@ -158,23 +159,38 @@ def _run_rows(block, layout: TokenLayout, x: torch.Tensor, text: torch.Tensor) -
             r = layout.rows[i]
             if r.role == RECORD:
                 r.activations.put(r.step, block._subset_index, r.row, y[k])
-    for i, r in enumerate(layout.rows):
-        if r.role == REUSE:
-            out[i] = _masked(block, r, x[i:i + 1], text[i:i + 1])[0]
+    if reuse:
+        idx = torch.tensor(reuse, device=x.device)
+        out.index_copy_(0, idx, _masked(block, [layout.rows[i] for i in reuse], x.index_select(0, idx),
+                                        text.index_select(0, idx)))
     return out
 
 
-def _masked(block, row: TokenRow, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-    """One REUSE row [1, L, C] through `block`, computing its masked tokens only."""
-    tokens = x.shape[1]
-    idx = row.computed[tokens]
+def _masked(block, rows: list[TokenRow], x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+    """REUSE rows [R, L, C] through `block` at once, each computing its masked tokens only: their
+    indices padded to the longest by repeating each row's last (a token computed twice gives the
+    same value twice), a row with none taking the recording whole."""
+    tokens, width = x.shape[1], x.shape[2]
+    counts = [r.computed[tokens].numel() for r in rows]
     context = block._subset_context
-    context.computed_tokens += idx.numel()
-    context.all_tokens += tokens
+    context.computed_tokens += sum(counts)
+    context.all_tokens += tokens * len(rows)
+    y = torch.stack([r.activations.get(r.step, block._subset_index, r.row) for r in rows])
+    live = [k for k, n in enumerate(counts) if n]
+    if not live:
+        return y
+    n = max(counts)
+    idx = torch.stack([_padded(rows[k].computed[tokens], n) for k in live])
+    at = idx.unsqueeze(-1).expand(-1, -1, width)
+    sel = torch.tensor(live, device=x.device)
+    x, text = x.index_select(0, sel), text.index_select(0, sel)
     norm = block.norm1(x)
-    h = x[:, idx] + block.attn1(norm[:, idx], encoder_hidden_states=norm)
+    h = x.gather(1, at) + block.attn1(norm.gather(1, at), encoder_hidden_states=norm)
     h = h + block.attn2(block.norm2(h), encoder_hidden_states=text)
     h = h + block.ff(block.norm3(h))
-    y = row.activations.get(row.step, block._subset_index, row.row).unsqueeze(0).clone()
-    y[:, idx] = h
+    y[sel] = y[sel].scatter(1, at, h)
     return y
+
+
+def _padded(indices: torch.Tensor, n: int) -> torch.Tensor:
+    return torch.cat([indices, indices[-1:].expand(n - indices.numel())])
