@@ -22,6 +22,7 @@ from backends.core.engine.controls import ControlNetSteps
 from backends.core.engine.diffusers_schedulers import SchedulerPrototypes
 from backends.core.engine.lora_policy import LoraPolicy
 from backends.core.engine.template_cache import TemplateCache
+from backends.core.runtime.token_subsets import TokenLayout
 from backends.core.engine.requests import DenoiseJob, LatentSnapshot, RequestState
 from backends.core.engine.step_stats import DECODED, DECODER, ENCODED, ENCODER, SAMPLED, SAMPLER, StepClock
 from backends.core.engine.workflows import WORKFLOWS
@@ -113,7 +114,7 @@ class TorchDenoiser:
         batch = StepBatch(sample, timestep, torch.cat([s.embeds for s in states]), torch.cat([s.pooled for s in states]),
                           torch.cat([s.time_ids for s in states]), lora_segments=lora_segments,
                           text_key=(self.loras.merged, tuple(s.serial for s in states)),
-                          rows_per_request=rows_per_request, tokens=workflow.tokens(states))
+                          rows_per_request=rows_per_request, tokens=self._tokens(workflow, states, lora_segments))
         clock = self.clock
         clock.mark(ENCODER)
         enc = self.runtime.encode(batch)
@@ -132,6 +133,12 @@ class TorchDenoiser:
             s.index += 1
             s.max_batch = max(s.max_batch, len(states))
         return failed
+
+    def _tokens(self, workflow, states, lora_segments) -> TokenLayout | None:
+        """The workflow's token subsets for this step, if the runtime serves them; run whole
+        where unmerged LoRA terms are added by row ranges, which subsets would split."""
+        tokens = workflow.tokens(states) if self.runtime.caps.token_subsets else None
+        return tokens.whole() if tokens is not None and lora_segments else tokens
 
     def adopt_loras(self, loras: LoraSet) -> LoraSet:
         """LoRAs that arrived for a request, checked against the UNet (InvalidInput naming the

@@ -77,9 +77,10 @@ class TokenLayout:
 
     rows: tuple[TokenRow, ...]
 
-    @property
-    def any_reuse(self) -> bool:
-        return any(r.role == REUSE for r in self.rows)
+    def whole(self) -> "TokenLayout":
+        """Every row run whole, RECORD rows still recording: for a step that cannot split its rows
+        (unmerged LoRA terms are added by row ranges)."""
+        return TokenLayout(tuple(TokenRow(FULL) if r.role == REUSE else r for r in self.rows))
 
 
 def computed_tokens(mask: torch.Tensor, levels: int) -> dict[int, torch.Tensor]:

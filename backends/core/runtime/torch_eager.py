@@ -60,8 +60,6 @@ class EagerUNetRuntime:
         if batch.tokens is None:
             yield
             return
-        if batch.lora_segments:  # (their terms are added by row ranges, which subsets split)
-            raise NotImplementedError("token subsets with unmerged LoRA terms (a batch that mixes LoRA sets)")
         if self.subsets is None:
             from backends.core.runtime.token_subsets import install
 
