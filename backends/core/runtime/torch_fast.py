@@ -85,7 +85,8 @@ class FastUNetRuntime:
         self.weight_copies = eager.weight_copies
         self.streams = ()
         self.side_devices = eager.side_devices
-        self.caps = RuntimeCaps(name=config.kind, graphs=True, compiled=config.kind == "compiled")
+        # Token subsets (template edits) run on the eager fallback, as batches that mix LoRAs do.
+        self.caps = RuntimeCaps(name=config.kind, graphs=True, compiled=config.kind == "compiled", token_subsets=True)
         self.stats = eager.stats  # one account: the eager runtime counts the steps it runs for us
         self.pool = torch.cuda.graph_pool_handle()
         self.buckets: dict[tuple, _Bucket] = {}
@@ -130,6 +131,11 @@ class FastUNetRuntime:
         self.enc_fn = torch.compile(self.eager.encoder)
         self.dec_fn = torch.compile(self.eager.decoder)
         log.info("compiling the UNet halves (inductor cache %s)", cache)
+
+    @property
+    def subsets(self):
+        """The transformer blocks' token-subset context (its eager fallback's), once it has one."""
+        return self.eager.subsets
 
     # --- the contract ---
 
@@ -215,7 +221,7 @@ class FastUNetRuntime:
         return (*batch.latent_shape, rows, batch.text.shape[1], batch.sample.dtype)
 
     def _bucket(self, batch: StepBatch) -> _Bucket | None:
-        if batch.lora_segments:
+        if batch.lora_segments or batch.tokens is not None:
             return None
         rows = self.bucket_rows(batch.rows)
         if rows is None:
