@@ -487,9 +487,11 @@ def create_app(triton_url: str, *, model: str = MODEL, max_n: int = DEFAULT_MAX_
                                 f"{model!r}", param="model", code="model_not_found")
         return model_card()
 
-    async def serve(route: str, body: _ImagesRequest, request: Request, kwargs_for) -> dict:
-        """The images of `body`: checked, sent at once, answered in OpenAI's form.
-        `kwargs_for(limits)`: one image's EaselClient.generate keyword arguments."""
+    async def serve(route: str, body: _ImagesRequest, request: Request, kwargs: dict[str, Any],
+                    files: dict[str, bytes] | None = None) -> dict:
+        """The images of `body`: checked, sent at once, answered in OpenAI's form. `kwargs`: one
+        image's EaselClient.generate keyword arguments; `files`: an edit's (clients/openai_edits.py),
+        turned into Easel's inputs against the deployment's limits."""
         if body.model is not None and body.model != model:
             raise ApiError(404, f"model {body.model[:100]!r} does not exist; this server serves "
                                 f"{model!r}", param="model", code="model_not_found")
@@ -510,10 +512,13 @@ def create_app(triton_url: str, *, model: str = MODEL, max_n: int = DEFAULT_MAX_
             deployment = await loop.run_in_executor(pool, limits.get)
         except EaselError as exc:
             raise triton_error(exc) from None
-        try:
-            kwargs = await loop.run_in_executor(pool, kwargs_for, deployment)
-        except InvalidInput as exc:
-            raise invalid_input(exc) from None
+        if files is not None:
+            try:
+                image, mask_image = await loop.run_in_executor(
+                    pool, easel_edit_files, files.get("image"), files.get("mask_image"), deployment)
+            except InvalidInput as exc:
+                raise invalid_input(exc) from None
+            kwargs = {**kwargs, "image": image, "mask_image": mask_image}
         await loop.run_in_executor(pool, check_limits, kwargs, body.seed, deployment)
         requests = [GenerateRequest(**kwargs, seed=None if body.seed is None else body.seed + i) for i in range(n)]
         try:
@@ -543,8 +548,7 @@ def create_app(triton_url: str, *, model: str = MODEL, max_n: int = DEFAULT_MAX_
 
     @app.post("/v1/images/generations")
     async def generations(body: ImageGenerationRequest, request: Request):
-        return await serve("images/generations", body, request,
-                           lambda deployment: _generate_kwargs(body, body.controlnets))
+        return await serve("images/generations", body, request, _generate_kwargs(body, body.controlnets))
 
     @app.post("/v1/images/edits")
     async def edits(request: Request):
@@ -561,12 +565,8 @@ def create_app(triton_url: str, *, model: str = MODEL, max_n: int = DEFAULT_MAX_
         except ValueError:  # `loras` that are not JSON
             raise ApiError(400, "loras: is not JSON", param="loras", code="invalid_value") from None
 
-        def kwargs_for(deployment: Limits) -> dict[str, Any]:
-            image, mask_image = easel_edit_files(files.get("image"), files.get("mask_image"), deployment)
-            return {**_generate_kwargs(body), "image": image, "mask_image": mask_image, "strength": body.strength,
-                    "template": body.template}
-
-        return await serve("images/edits", body, request, kwargs_for)
+        kwargs = {**_generate_kwargs(body), "strength": body.strength, "template": body.template}
+        return await serve("images/edits", body, request, kwargs, files)
 
     return app
 
