@@ -1,6 +1,6 @@
 """The inpaint workflow (backends/core/engine/workflows/inpaint.py) with the VAE encoding stage
 (backends/core/stages/vae_encoding.py), in process, against diffusers' own
-StableDiffusionXLInpaintPipeline on the tiny models (CPU fp32, same seed), a base UNet (4 input
+StableDiffusionXLInpaintPipeline (and its ControlNet variant) on the tiny models (CPU fp32, same seed), a base UNet (4 input
 channels: blended after each step) and an inpainting UNet (9): the final latents within 1e-4 of
 the pipeline's (max abs; they are ~1-10 in size), for each scheduler, at strength 1 and below,
 and unchanged beside a text-to-image request of the same size in the same loop."""
@@ -109,3 +109,36 @@ def test_bad_edits_fail_naming_the_field(setup):
         assert result.latents is None and result.error.startswith(f"{field}: "), result.error
     (missing,) = run(engine, [dataclasses.replace(job, edit=None)])
     assert missing.error.startswith("image: inpainting needs an image and a mask_image")
+
+
+@pytest.mark.parametrize("strength", [1.0, 0.6])
+def test_inpainting_with_a_controlnet_matches_diffusers(setup, tiny_model, strength):
+    """StableDiffusionXLControlNetInpaintPipeline: the ControlNet sees the 4 latent channels (an
+    inpainting UNet's input adds the mask and the masked template after them), its window counts
+    the steps that strength leaves."""
+    from diffusers import ControlNetModel, StableDiffusionXLControlNetInpaintPipeline
+
+    from backends.core.adapters.controlnet import ControlInput, LocalControlNets
+    from backends.core.adapters.controlnet_cache import ControlNetCache
+    from backends.core.adapters.store import AdapterStore
+
+    engine, encoder, pipe, image, mask = setup
+    store = AdapterStore(tiny_model / "adapters")
+    engine.controls.provider = LocalControlNets(ControlNetCache(store, Placement(), budget_bytes=2**30))
+    control = Image.fromarray(np.random.default_rng(7).integers(0, 256, (SIZE, SIZE, 3), dtype=np.uint8))
+    net = ControlNetModel.from_pretrained(store.controlnet("canny").folder, use_safetensors=True)
+    ref = StableDiffusionXLControlNetInpaintPipeline(**{**pipe.components, "scheduler": pipe.base_scheduler},
+                                                     controlnet=net)
+    ref.set_progress_bar_config(disable=True)
+    want = ref("a red house", image=Image.fromarray(image), mask_image=Image.fromarray(mask), control_image=control,
+               height=SIZE, width=SIZE, num_inference_steps=STEPS, guidance_scale=5.0, strength=strength,
+               controlnet_conditioning_scale=0.7, control_guidance_end=0.8,
+               generator=torch.Generator("cpu").manual_seed(3), output_type="latent").images.numpy()
+    job = edit_job(setup, "edit", None, strength, seed=3)
+    job = dataclasses.replace(job, controls=[ControlInput("canny", control, 0.7, 0.0, 0.8)])
+    try:
+        (got,) = run(engine, [job])
+    finally:
+        engine.controls.provider = None
+    assert got.error is None, got.error
+    assert np.abs(got.latents - want).max() <= TOL

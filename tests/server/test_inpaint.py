@@ -56,6 +56,23 @@ def test_edits_match_diffusers(client, tiny_model, strength):
     assert max_abs_diff(pixels(ours), reference(tiny_model, image, repaint, strength, **req)) <= TOLERANCE
 
 
+def test_an_edit_with_a_controlnet_matches_diffusers(http_client, tiny_model):
+    from diffusers import ControlNetModel, StableDiffusionXLControlNetInpaintPipeline
+
+    image, repaint, control = template(3), mask(), template(8)
+    ours = http_client.generate("a red house", seed=5, steps=4, image=png(image), mask_image=png(repaint),
+                                strength=0.8, controlnets=("canny",), control_images=(png(control),),
+                                control_scales=(0.6,))
+    net = ControlNetModel.from_pretrained(tiny_model / "adapters" / "controlnets" / "canny", use_safetensors=True)
+    pipe = StableDiffusionXLControlNetInpaintPipeline(**_pipeline(str(tiny_model)).components, controlnet=net,
+                                                      add_watermarker=False)
+    want = pipe("a red house", image=Image.fromarray(image), mask_image=Image.fromarray(repaint),
+                control_image=Image.fromarray(control), width=SIZE, height=SIZE, num_inference_steps=4,
+                guidance_scale=5.0, strength=0.8, controlnet_conditioning_scale=0.6,
+                generator=torch.Generator("cpu").manual_seed(5), output_type="np").images[0]
+    assert max_abs_diff(pixels(ours), (want * 255).round().astype(np.uint8)) <= TOLERANCE
+
+
 def test_a_streamed_edit_is_the_unary_one(server):
     from clients.client import EaselClient, GenerateResult
 
@@ -91,8 +108,6 @@ def bomb(side=20000) -> bytes:
     (dict(image=b"not an image", mask_image=png(mask())), "image: is not a decodable image"),
     (dict(image=bomb(), mask_image=png(mask())), "image: is a decompression bomb"),
     (dict(image=bomb(300), mask_image=png(mask())), "image: is 300x300, over the limit of 65536 pixels"),
-    (dict(image=png(template()), mask_image=png(mask()), controlnets=("canny",), control_images=(png(template()),)),
-     "controlnets: are not supported with inpainting"),
     (dict(image=png(template()), mask_image=png(mask()), strength=0.1), "strength: 0.1 leaves no step of 4"),
 ], ids=lambda v: v if isinstance(v, str) else "")
 def test_bad_edits_fail_alone(http_client, edit, expected):

@@ -109,7 +109,10 @@ class TorchDenoiser:
         sample, timestep = workflow.model_input(states)
         rows_per_request = tuple(s.rows for s in states)
         sides = self.runtime.row_sides(rows_per_request) if any(s.controls for s in states) else None
-        pending = self.controls.submit(states, sample, timestep, sides)  # run beside the encoder half
+        # ControlNets take the latents alone: an inpainting UNet's input adds the mask and the masked
+        # template after them (diffusers' ControlNet inpaint pipelines give the ControlNet the same).
+        pending = self.controls.submit(states, sample[:, :self.unet.config.out_channels], timestep,
+                                       sides)  # run beside the encoder half
         lora_segments = self.loras.segments(states)  # (merges first: the text key names the merged set)
         batch = StepBatch(sample, timestep, torch.cat([s.embeds for s in states]), torch.cat([s.pooled for s in states]),
                           torch.cat([s.time_ids for s in states]), lora_segments=lora_segments,

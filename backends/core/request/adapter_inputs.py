@@ -82,8 +82,6 @@ def validate_request(raw: Mapping[str, Any], limits: Limits) -> GenerateParams:
                                  raw.get("control_guidance_start"), raw.get("control_guidance_end"),
                                  limits.max_controlnets, limits.max_control_image_pixels)
     loras = validate_loras(raw.get("loras"), raw.get("lora_scales"), limits.max_loras)
-    if edit is not None and controls:  # (the inpaint workflow's refusal, before the VAE encodes anything)
-        raise InvalidInput("controlnets", "are not supported with inpainting")
     template = _template(raw.get("template"), params)
     return dataclasses.replace(params, controls=tuple(controls), loras=tuple(loras), template=template)
 

@@ -15,6 +15,7 @@ steps diffusers' own scheduler (its begin index at the first step kept), never a
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -49,12 +50,14 @@ def template_key(job: DenoiseJob, rows: int) -> tuple:
     """What a template's recording is kept under: its name and everything besides the edit's own
     masked tokens that changes what the UNet's blocks output (the model is the engine's own): the
     size, steps, scheduler, strength and seed (the template's latents outside the mask are noised
-    with the request's noise), guidance (its rows) and the LoRAs. Not the prompt: InstGenIE's
+    with the request's noise), guidance (its rows), the LoRAs and the ControlNets with their images. Not the prompt: InstGenIE's
     premise is that unmasked tokens barely depend on it, which tests/export/test_template_cache.py
     measures."""
     p, edit = job.params, job.edit
+    controls = tuple((c.name, c.scale, c.guidance_start, c.guidance_end,
+                      hashlib.sha256(np.asarray(c.image).tobytes()).hexdigest()) for c in job.controls)
     return (edit.template, p.width, p.height, p.steps, p.scheduler, edit.strength, p.seed, rows,
-            tuple((lora.name, lora.scale) for lora in p.loras))
+            tuple((lora.name, lora.scale) for lora in p.loras), controls)
 
 
 class Inpaint(Txt2Img):
@@ -66,8 +69,6 @@ class Inpaint(Txt2Img):
         if channels not in UNET_CHANNELS:
             raise ValueError(f"inpainting needs a UNet of {' or '.join(map(str, UNET_CHANNELS))} input channels, "
                              f"not {channels}")
-        if job.controls:
-            raise InvalidInput("controlnets", "are not supported with inpainting")
         self.check_text(job)
         self._check_edit(edit, self.latent_shape(p))
         sched = m.schedulers.fresh(p.scheduler, p.steps)
