@@ -191,3 +191,15 @@ def encode_edit_arrays(pipe, image, mask):
 
     arrays = encode_edit(pipe.vae, image, mask, pipe.vae_scale_factor)
     return {"mask": arrays["mask"], "masked_mean": arrays["masked_mean"], "masked_std": arrays["masked_std"]}
+
+
+def test_a_recording_over_the_device_budget_goes_down_at_once(tmp_path):
+    from backends.core.engine.template_cache import TemplateCache
+
+    one = recording().nbytes
+    cache = TemplateCache("cpu", device_bytes=one // 2, host_bytes=2 * one)
+    _, r = cache.take(("big", 1), 2)
+    r.outputs.update(recording().outputs)
+    cache.completed(r, ("big", 1))
+    assert cache.nbytes("device") == 0 and cache.nbytes("host") == one
+    assert cache.take(("big", 1), 2)[0] and cache.stats.hits["host"] == 1

@@ -92,7 +92,11 @@ class TemplateCache:
             recording.complete = True
             if self.folder is not None:
                 self._write(name, recording)
-            self._shed("device", keep=recording)
+            fits = recording.nbytes <= self.budgets["device"]
+            if not fits:
+                log.warning("template cache: a recording of %.1f GiB is over the device's budget of %.1f GiB; it "
+                            "moves down the tiers at once", recording.nbytes / 2**30, self.budgets["device"] / 2**30)
+            self._shed("device", keep=recording if fits else None)
             self._shed("host")
             self._shed("disk")
 
