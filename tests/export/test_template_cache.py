@@ -177,7 +177,7 @@ def test_edits_of_different_masks_share_a_step(setup):
     latents(cached, job(setup, "record", template="bench"))
     wide = job(setup, "wide", template="bench")
     narrow = job(setup, "narrow", prompt="a blue window", template="bench")
-    arrays = encode_edit_arrays(pipe, image, small)
+    arrays = encoded(pipe, image, small)
     narrow = dataclasses.replace(narrow, edit=dataclasses.replace(narrow.edit, **arrays))
     alone = [latents(cached, j) for j in (wide, narrow)]
     together = run(cached, [wide, narrow])
@@ -186,11 +186,11 @@ def test_edits_of_different_masks_share_a_step(setup):
         assert np.abs(got.latents - want).max() <= TOL
 
 
-def encode_edit_arrays(pipe, image, mask):
+def encoded(pipe, image, mask) -> dict:
+    """EditInputs' arrays of another template or mask."""
     from backends.core.stages.vae_encoding import encode_edit
 
-    arrays = encode_edit(pipe.vae, image, mask, pipe.vae_scale_factor)
-    return {"mask": arrays["mask"], "masked_mean": arrays["masked_mean"], "masked_std": arrays["masked_std"]}
+    return encode_edit(pipe.vae, image, mask, pipe.vae_scale_factor)
 
 
 def test_a_recording_over_the_device_budget_goes_down_at_once(tmp_path):
@@ -203,3 +203,14 @@ def test_a_recording_over_the_device_budget_goes_down_at_once(tmp_path):
     cache.completed(r, ("big", 1))
     assert cache.nbytes("device") == 0 and cache.nbytes("host") == one
     assert cache.take(("big", 1), 2)[0] and cache.stats.hits["host"] == 1
+
+
+def test_a_name_given_to_another_template_records_anew(setup):
+    exact, cached, encoder, pipe, image, mask = setup
+    latents(cached, job(setup, "first", template="sign"))
+    other = job(setup, "other", template="sign")
+    arrays = encoded(pipe, image[::-1].copy(), mask)
+    other = dataclasses.replace(other, edit=dataclasses.replace(other.edit, **arrays))
+    misses = cached.templates.stats.misses
+    latents(cached, other)
+    assert cached.templates.stats.misses == misses + 1
