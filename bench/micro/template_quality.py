@@ -42,12 +42,15 @@ def main() -> None:
     p.add_argument("--model", type=Path, help="diffusers SDXL folder (default: write a tiny one)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seeds", type=int, default=8)
+    p.add_argument("--cache-gib", type=int, default=64,
+                   help="device memory for one recording (SDXL at 1024 px: 0.42 GB a step with guidance)")
     args = p.parse_args()
     start_logging()
 
     import torch
 
     from backends.core.engine.denoiser import TorchDenoiser
+    from backends.core.engine.template_cache import TemplateCache
     from backends.core.engine.requests import DenoiseJob, EditInputs
     from backends.core.request.params import Limits, validate
     from backends.core.runtime.placement import Placement
@@ -63,7 +66,7 @@ def main() -> None:
         device="cpu" if args.device == "cpu" else "cuda", dtype=dtype, max_size=max(args.size, 64)))
     where = Placement(args.device if args.device == "cpu" else "cuda:0", dtype)
     first = "denoiser" if args.device == "cpu" else "denoiser_gpu0"
-    engine = TorchDenoiser(repo / first / "1", where)
+    engine = TorchDenoiser(repo / first / "1", where, templates=TemplateCache(where.device, args.cache_gib << 30))
     encoder = PromptEncoder(repo / "text_encoder" / "1", where)
     decoder = LatentDecoder(repo / "vae_decoder" / "1", where)
     vae = EditEncoder(repo / "vae_decoder" / "1", where)
