@@ -228,6 +228,11 @@ def test_edits_with_the_openai_client_equal_easel(server, oai):
         info = res.data[0].model_extra["info"]
         assert info["strength"] == 0.9 and info["seed"] == 1
         assert int(np.abs(rgb(decode(res.data[0].b64_json)) - rgb(direct.image())).max()) <= 1
+    uses = [oai.images.edit(prompt="a red house", size="64x64", response_format="b64_json",
+                            image=("t.png", _png_bytes(rgba), "image/png"),
+                            extra_body={**extra, "template": "oai-door"}).data[0].model_extra["info"]["template_use"]
+            for _ in range(2)]
+    assert uses == ["recorded", "reused"]  # the template field goes through
 
 
 @pytest.mark.parametrize("files, fields, param, text", [
