@@ -169,11 +169,12 @@ class BlsPipeline:
         params, control_images = out["params"], out["control_images"]
         out = self._call(job, "text_encoder", contract.TEXT_ENCODER, [params])
         params, embeds, edit = out["params"], [out["prompt_embeds"], out["pooled_embeds"]], []
-        if GenerateParams.from_json(scalar(params.as_numpy())).strength is not None:  # an edit
+        checked = checked_params(scalar(params.as_numpy()), self.limits)  # its steps and strength, as it began
+        if checked.strength is not None:  # an edit
             files = [t for t in job.inputs if t.name() in ("image", "mask_image")]
             out = self._call(job, "vae_encoder", contract.VAE_ENCODER, [params, *files])
             params, edit = out["params"], [out[t.name] for t in contract.EDIT]
-        latents, params = self._denoise(job, params, *embeds, control_images, edit)
+        latents, params = self._denoise(job, checked, params, *embeds, control_images, edit)
         out = self._call(job, "vae_decoder", contract.VAE_DECODER, [params, latents])
         return _encoded(GenerateParams.from_json(scalar(out["params"].as_numpy())), out["pixels"].as_numpy())
 
@@ -188,11 +189,12 @@ class BlsPipeline:
             raise ForwardedError(response.error())
         return {t.name(): t for t in response.output_tensors()}
 
-    def _denoise(self, job: Job, params, prompt_embeds, pooled_embeds, control_images, edit: list):
-        """The denoiser's answer (latents, params), its progress responses forwarded as they come."""
+    def _denoise(self, job: Job, checked: GenerateParams, params, prompt_embeds, pooled_embeds, control_images,
+                 edit: list):
+        """The denoiser's answer (latents, params), its progress responses forwarded as they come.
+        `checked`: the request's params as the pipeline read them (steps, work)."""
         if job.cancelled:
             raise Cancelled(f"{self.name}: cancelled by the client before denoising")
-        checked = checked_params(scalar(params.as_numpy()), self.limits)  # its steps, when it began
         key = uuid.uuid4().hex
         work = checked.work()
         denoiser = self.router.pick(work)

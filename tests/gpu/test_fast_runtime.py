@@ -190,15 +190,20 @@ def test_bucket_miss_runs_eager_or_captures(repo):
     assert fast.stats.graph_steps == 1
 
 
+def eager_and_graphs_denoisers(repo):
+    """fp32 on cuda:0: a denoiser on the eager runtime, one on the graphs runtime (and that
+    runtime), and the prompt encoder."""
+    where = Placement("cuda:0", "fp32")
+    folder = repo / "denoiser" / "1"
+    _, fast_runtime = runtimes(repo, "fp32", RuntimeConfig(kind="graphs"))
+    return (TorchDenoiser(folder, where), TorchDenoiser(folder, where, runtime=fast_runtime), fast_runtime,
+            PromptEncoder(repo / "text_encoder" / "1", where))
+
+
 def test_denoiser_on_graphs_reproduces_the_eager_denoiser(repo):
     """A whole request through the engine, fp32: the fast runtime's latents against eager's. (In
     fp16 the tiny random model amplifies per-step rounding differences to 8% over 6 steps.)"""
-    where = Placement("cuda:0", "fp32")
-    folder = repo / "denoiser" / "1"
-    eager = TorchDenoiser(folder, where)
-    _, fast_runtime = runtimes(repo, "fp32", RuntimeConfig(kind="graphs"))
-    fast = TorchDenoiser(folder, where, runtime=fast_runtime)
-    encoder = PromptEncoder(repo / "text_encoder" / "1", where)
+    eager, fast, fast_runtime, encoder = eager_and_graphs_denoisers(repo)
     params = validate({"prompt": "a red fox", "steps": 6, "width": 64, "height": 64, "seed": 3}, Limits())
     embeds, pooled = encoder.encode(params)
     out = []

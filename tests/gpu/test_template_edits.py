@@ -10,14 +10,11 @@ import dataclasses
 import pytest
 import torch
 
-from backends.core.engine.denoiser import TorchDenoiser
 from backends.core.engine.requests import DenoiseJob, EditInputs
 from backends.core.request.params import Limits, validate
-from backends.core.runtime.config import RuntimeConfig
 from backends.core.runtime.placement import Placement
-from backends.core.stages.text_encoding import PromptEncoder
 from backends.core.stages.vae_encoding import EditEncoder
-from tests.gpu.test_fast_runtime import rel_err, repo, runtimes  # noqa: F401  (the repo fixture)
+from tests.gpu.test_fast_runtime import eager_and_graphs_denoisers, rel_err, repo  # noqa: F401  (the repo fixture)
 
 pytestmark = pytest.mark.gpu
 
@@ -26,11 +23,7 @@ def test_a_reused_template_edit_on_the_fast_runtime_matches_the_exact_edit(repo)
     import numpy as np
 
     where = Placement("cuda:0", "fp32")
-    folder = repo / "denoiser" / "1"
-    eager = TorchDenoiser(folder, where)
-    _, fast_runtime = runtimes(repo, "fp32", RuntimeConfig(kind="graphs"))
-    fast = TorchDenoiser(folder, where, runtime=fast_runtime)
-    encoder = PromptEncoder(repo / "text_encoder" / "1", where)
+    eager, fast, fast_runtime, encoder = eager_and_graphs_denoisers(repo)
     params = validate({"prompt": "a red door", "steps": 5, "width": 64, "height": 64, "seed": 4, "strength": 1.0},
                       Limits())
     embeds, pooled = encoder.encode(params)

@@ -13,24 +13,24 @@ def tensors(n_bytes_each: int, fill: float):
 
 
 def test_sessions_are_kept_as_copies_and_evicted_least_recent_first():
-    sessions = ControlSessions(budget_bytes=3000)
+    kept = ControlSessions(budget_bytes=3000)
     given = tensors(1000, 1.0)
-    sessions.put("a", given)
+    kept.put("a", given)
     given[0].fill_(9.0)  # the caller's buffer is reused: the kept copy does not change
-    assert float(sessions.get("a")[0][0]) == 1.0
-    sessions.put("b", tensors(1000, 2.0))
-    sessions.put("c", tensors(1000, 3.0))
-    assert sessions.get("a") is not None  # a is now the most recent
-    sessions.put("d", tensors(1000, 4.0))  # over budget: b, the least recent, goes
-    assert sessions.get("b") is None and sessions.get("c") is not None and sessions.get("d") is not None
-    assert sessions.nbytes == 3000
-    assert (sessions.stats.hits, sessions.stats.misses, sessions.stats.evictions) == (4, 1, 1)
-    sessions.put("d", tensors(2000, 5.0))  # replacing an entry counts its new size once
-    assert sessions.nbytes <= 3000 and float(sessions.get("d")[0][0]) == 5.0
+    assert float(kept.get("a")[0][0]) == 1.0
+    kept.put("b", tensors(1000, 2.0))
+    kept.put("c", tensors(1000, 3.0))
+    assert kept.get("a") is not None  # a is now the most recent
+    kept.put("d", tensors(1000, 4.0))  # over budget: b, the least recent, goes
+    assert kept.get("b") is None and kept.get("c") is not None and kept.get("d") is not None
+    assert kept.nbytes == 3000
+    assert (kept.stats.hits, kept.stats.misses, kept.stats.evictions) == (4, 1, 1)
+    kept.put("d", tensors(2000, 5.0))  # replacing an entry counts its new size once
+    assert kept.nbytes <= 3000 and float(kept.get("d")[0][0]) == 5.0
 
 
 def test_entries_are_bounded_in_number_too():
-    sessions = ControlSessions(budget_bytes=2**30, max_entries=3)
+    kept = ControlSessions(budget_bytes=2**30, max_entries=3)
     for key in "abcd":
-        sessions.put(key, tensors(4, 1.0))
-    assert sessions.get("a") is None and all(sessions.get(k) is not None for k in "bcd")
+        kept.put(key, tensors(4, 1.0))
+    assert kept.get("a") is None and all(kept.get(k) is not None for k in "bcd")

@@ -20,8 +20,8 @@ from dataclasses import dataclass
 import torch
 
 CONSTANTS = ("image", "prompt_embeds", "pooled_embeds", "time_ids")
-# Sessions an instance keeps at most, whatever their size (the service is reachable by clients:
-# Triton cannot hide internal models), and the longest session name it takes.
+# Entries an instance keeps at most, whatever their size (the service is reachable by clients:
+# Triton cannot hide internal models), and the longest key it takes.
 MAX_ENTRIES = 4096
 MAX_KEY_CHARS = 256
 

@@ -137,10 +137,12 @@ class TorchDenoiser:
             s.max_batch = max(s.max_batch, len(states))
         return failed
 
-    def _tokens(self, workflow, states, lora_segments) -> TokenLayout | None:
-        """The workflow's token subsets for this step, if the runtime serves them; run whole
-        where unmerged LoRA terms are added by row ranges, which subsets would split."""
-        tokens = workflow.tokens(states) if self.runtime.caps.token_subsets else None
+    @staticmethod
+    def _tokens(workflow, states, lora_segments) -> TokenLayout | None:
+        """The workflow's token subsets for this step (a workflow makes them only where the runtime
+        serves them: Model.token_subsets); run whole where unmerged LoRA terms are added by row
+        ranges, which subsets would split."""
+        tokens = workflow.tokens(states)
         return tokens.whole() if tokens is not None and lora_segments else tokens
 
     def adopt_loras(self, loras: LoraSet) -> LoraSet:

@@ -54,7 +54,7 @@ class TemplateCache:
         self.budgets = {"device": device_bytes, "host": host_bytes, "disk": disk_bytes if folder else 0}
         self.folder = Path(folder) if folder and disk_bytes else None
         self.stats = TemplateCacheStats()
-        self._tiers: dict[str, OrderedDict] = {tier: OrderedDict() for tier in TIERS}  # key -> recording (disk: path)
+        self._tiers: dict[str, OrderedDict] = {tier: OrderedDict() for tier in TIERS}  # key -> recording (disk: _File)
         self._lock = threading.Lock()
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
@@ -106,7 +106,7 @@ class TemplateCache:
 
     def _bytes(self, tier: str) -> int:
         if tier == "disk":
-            return sum(p.stat().st_size for p in self._tiers["disk"].values() if p.exists())
+            return sum(f.nbytes for f in self._tiers["disk"].values())
         return sum(r.nbytes for r in self._tiers[tier].values())
 
     def _shed(self, tier: str, keep: TemplateActivations | None = None) -> None:
@@ -121,8 +121,8 @@ class TemplateCache:
             entries.pop(name)
             self.stats.evictions[tier] += 1
             if tier == "disk":
-                total -= kept.stat().st_size
-                kept.unlink(missing_ok=True)
+                total -= kept.nbytes
+                kept.path.unlink(missing_ok=True)
                 continue
             total -= kept.nbytes
             if tier == "device" and self.budgets["host"]:
@@ -139,8 +139,8 @@ class TemplateCache:
         if tier == "disk":
             from safetensors.torch import load_file
 
-            recording = _from_file(load_file(str(kept), device="cpu"), kept)
-            self.stats.loaded_bytes["disk"] += kept.stat().st_size
+            recording = _from_file(load_file(str(kept.path), device="cpu"), kept.path)
+            self.stats.loaded_bytes["disk"] += kept.nbytes
             self._tiers["disk"].move_to_end(name)
         else:
             recording = kept
@@ -156,7 +156,7 @@ class TemplateCache:
         partial = path.with_suffix(".partial")
         save_file(tensors, str(partial), metadata={"key": name, "rows": str(recording.rows)})
         partial.replace(path)  # whole or absent: a crash mid-write leaves no file that looks complete
-        self._tiers["disk"][name] = path
+        self._tiers["disk"][name] = _File(path, path.stat().st_size)
         self._tiers["disk"].move_to_end(name)
 
     def _index_folder(self) -> None:
@@ -169,11 +169,19 @@ class TemplateCache:
             except Exception:  # not one of ours, or torn: left alone, never read again
                 log.warning("template cache: %s is not a recording; skipped", path.name)
                 continue
-            self._tiers["disk"][name] = path
+            self._tiers["disk"][name] = _File(path, path.stat().st_size)
         partials = list(self.folder.glob("*.partial"))
         for path in partials:
             path.unlink(missing_ok=True)
         log.info("template cache: %d recordings on disk in %s", len(self._tiers["disk"]), self.folder)
+
+
+@dataclass(frozen=True)
+class _File:
+    """A recording on disk, its size read once (the budget and the metrics sum these)."""
+
+    path: Path
+    nbytes: int
 
 
 def _key_text(key: tuple) -> str:
