@@ -14,7 +14,7 @@ from backends.core.engine.requests import DenoiseJob, EditInputs
 from backends.core.request.params import Limits, validate
 from backends.core.runtime.placement import Placement
 from backends.core.stages.vae_encoding import EditEncoder
-from tests.gpu.test_fast_runtime import eager_and_graphs_denoisers, rel_err, repo  # noqa: F401  (the repo fixture)
+from tests.gpu.test_fast_runtime import eager_and_graphs_denoisers, no_tf32, rel_err, repo  # noqa: F401  (fixtures)
 
 pytestmark = pytest.mark.gpu
 
