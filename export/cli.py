@@ -6,6 +6,8 @@ import argparse
 import logging
 import sys
 
+from backends.core.serving.routing import MEASURES as ROUTING_MEASURES
+
 
 def _gib_triple(text: str) -> tuple[float, float, float]:
     try:
@@ -96,6 +98,10 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--max-in-flight", type=int, default=56,
                      help="requests each public model (easel, easel_stream) runs at once; past it a request is "
                           "refused at once with UNAVAILABLE")
+    exp.add_argument("--routing", choices=ROUTING_MEASURES, default="seconds",
+                     help="what the public models route requests by among the denoisers: predicted seconds of "
+                          "remaining work, learned from each denoiser's steps and aware of template edits' masks "
+                          "(default), or row-steps of work (pixels x steps x rows)")
     exp.add_argument("--max-batch-rows", type=int, default=16, help="UNet batch rows per denoising step")
     exp.add_argument("--max-queue", type=int, default=48,
                      help="requests a denoiser holds waiting beyond its running set; past it a request is "
@@ -178,7 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         options = ExportOptions(device=args.device, dtype=args.dtype, gpus=gpus, cfg_parallel=args.cfg_parallel,
                                 max_size=args.max_size,
                                 max_steps=args.max_steps, default_steps=args.default_steps,
-                                max_in_flight=args.max_in_flight, max_batch_rows=args.max_batch_rows,
+                                max_in_flight=args.max_in_flight, routing=args.routing, max_batch_rows=args.max_batch_rows,
                                 max_running=args.max_batch_rows, max_queue=args.max_queue, onnx=args.onnx, adapters=args.adapters,
                                 max_controlnets=args.max_controlnets, max_loras=args.max_loras,
                                 lora_bound_steps=args.lora_bound_steps, lora_loaders=args.lora_loaders,

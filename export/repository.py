@@ -22,6 +22,7 @@ from backends.core.engine.config import DenoiserConfig
 from backends.core.engine.denoiser import VAE_SCALE_FACTOR_FILE
 from backends.core.runtime.config import RUNTIME_KINDS, RuntimeConfig, check_fp8_parts, default_kind
 from backends.core.request.params import Limits
+from backends.core.serving.routing import MEASURES as ROUTING_MEASURES
 from backends.core.stages.text_encoding import OPTIONS_FILE
 
 from .triton_config import DRAINING_VERSION, Instances, python_model
@@ -51,6 +52,9 @@ class ExportOptions:
     default_steps: int = 30
     # Requests each public model (easel, easel_stream) runs at once; past it: UNAVAILABLE at once.
     max_in_flight: int = 56
+    # What the public models route by among the denoisers (backends/core/serving/routing.py):
+    # predicted seconds (mask-aware) or row-steps of work.
+    routing: str = "seconds"
     max_running: int = 16
     max_queue: int = 48  # per denoiser, beyond max_running; past it requests are refused (UNAVAILABLE)
     max_batch_rows: int = 16
@@ -107,6 +111,8 @@ class ExportOptions:
             raise ValueError("cpu_cfg_parallel: only with --device cpu (on GPUs, give cfg_parallel pairs)")
         if self.lora_loaders < 1:
             raise ValueError(f"lora_loaders: {self.lora_loaders} is not a positive number of processes")
+        if self.routing not in ROUTING_MEASURES:
+            raise ValueError(f"routing: {self.routing!r} is not one of {list(ROUTING_MEASURES)}")
         if self.runtime is not None and self.runtime not in RUNTIME_KINDS:
             raise ValueError(f"runtime: {self.runtime!r} is not one of {list(RUNTIME_KINDS)}")
         if self.vae_attention is not None and self.vae_attention not in DTYPE_NAMES:
@@ -324,7 +330,7 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
     # instance each runs many requests at once (a thread waits on the models for each), bounded
     # like the denoisers' own queues so that a flood is refused at once. Each has two versions:
     # version 1 serves; `easel serve` drains by switching to version 2 (triton_config.SERVING_VERSION).
-    pipeline = {"denoisers": ",".join(names), "max_in_flight": str(options.max_in_flight),
+    pipeline = {"denoisers": ",".join(names), "max_in_flight": str(options.max_in_flight), "routing": options.routing,
                 **checks}
     for name, decl, decoupled in (("easel", contract.PUBLIC, False), ("easel_stream", contract.STREAM, True)):
         model = _fresh_model_dir(repo, name)

@@ -52,7 +52,7 @@ from backends.core.request.response_info import response_info
 from backends.core.request.output_format import FORMATS
 from backends.core.stages.image_files import encode_image
 from backends.core.stages.preview import preview_png
-from backends.core.serving.routing import LeastLoaded
+from backends.core.serving.routing import LeastLoaded, RequestCost
 from backends.core.serving.load_board import LoadReader
 from backends.core.serving.preview_board import PreviewFile, remove_orphan_previews
 from backends.triton.adapter import (MARKS_PARAMETER, ForwardedError, failure, input_array, internal_parameters,
@@ -98,6 +98,17 @@ def _encoded(params: GenerateParams, pixels: np.ndarray) -> tuple[object, object
     return _tensor("image", image, np.object_), _tensor("info", json.dumps(info).encode(), np.object_)
 
 
+def request_cost(params: GenerateParams, edit: list) -> RequestCost:
+    """What a request weighs for routing. A template edit may reuse a recording and compute its
+    masked tokens only: priced by its mask's share (the latent-size mask the VAE encoder gave),
+    which the denoiser's board corrects once it knows whether the edit reuses."""
+    work = params.work()
+    if params.template is None or not edit:
+        return RequestCost(work)
+    mask = edit[[t.name for t in contract.EDIT].index("mask")].as_numpy()
+    return RequestCost(work, work * float(mask.mean()))
+
+
 class BlsPipeline:
     """The pipeline of one model instance. Progress responses when the model is decoupled."""
 
@@ -109,7 +120,7 @@ class BlsPipeline:
         names = [n.strip() for n in params["denoisers"].split(",") if n.strip()]
         if not names:
             raise ValueError("parameter denoisers names no model")
-        self.router = LeastLoaded(names, LoadReader())  # each denoiser batches what it gets
+        self.router = LeastLoaded(names, LoadReader(), params.get("routing", "seconds"))  # each denoiser batches what it gets
         if self.progress:
             remove_orphan_previews()
         self.max_in_flight = int(params.get("max_in_flight", "16"))
@@ -196,8 +207,8 @@ class BlsPipeline:
         if job.cancelled:
             raise Cancelled(f"{self.name}: cancelled by the client before denoising")
         key = uuid.uuid4().hex
-        work = checked.work()
-        denoiser = self.router.pick(work)
+        chosen = self.router.pick(request_cost(checked, edit))
+        denoiser = chosen.name
         admitted = False
         inputs = [params, prompt_embeds, pooled_embeds, control_images, *edit,
                   _tensor("cancel_key", key.encode(), np.object_)]
@@ -218,7 +229,7 @@ class BlsPipeline:
             # exec returns at the denoiser's first response: for a keyed request, an empty one once
             # it is admitted, so a cancel sent from now on finds it (contract.DENOISER).
             responses = request.exec(decoupled=True)
-            self.router.admitted(denoiser, work)
+            self.router.admitted(chosen)
             admitted = True
             job.denoising = (denoiser, key)
             for i, response in enumerate(responses):
@@ -233,7 +244,7 @@ class BlsPipeline:
                     self._progress(job, i, checked.denoising_steps, previews)
         finally:
             job.denoising = None
-            self.router.release(denoiser, work, admitted)
+            self.router.release(chosen, admitted)
             if previews is not None:
                 previews.close()
         if final is None:

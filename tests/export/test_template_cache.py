@@ -214,3 +214,28 @@ def test_a_name_given_to_another_template_records_anew(setup):
     misses = cached.templates.stats.misses
     latents(cached, other)
     assert cached.templates.stats.misses == misses + 1
+
+
+def test_a_reusing_edit_is_priced_by_its_share_of_tokens(setup):
+    """What the routers read is mask-aware: the loop tells its cost model (engine/step_cost.py)
+    each step's work weighted by the share of block tokens its rows compute; a reusing edit's
+    share is its mask's, a recording edit's whole."""
+    from backends.core.engine.loop import DenoiseLoop
+    from tests.unit.test_denoise_loop import Results
+
+    _, cached, *_ = setup
+    for rid, share in (("record-priced", 1.0), ("reuse-priced", None)):
+        results = Results()
+        loop = DenoiseLoop(cached, results, publish_load=lambda load: None)
+        loop.start()
+        loop.submit(job(setup, rid, seed=21))
+        (result,) = results.wait([rid])
+        loop.shutdown()
+        assert result.error is None, result.error
+        records = loop.stats.take()
+        assert records and all(r.units > 0 for r in records)
+        shares = {r.token_units / r.units for r in records}
+        if share is None:  # the tiny UNet's coarse token grids widen a 25% mask to about 60% of tokens
+            assert len(shares) == 1 and 0.1 < shares.pop() < 0.9, shares
+        else:
+            assert shares == {share}

@@ -243,23 +243,29 @@ def test_lora_given_up_front_that_does_not_fit_is_refused_alone(engines, tiny_mo
 
 def test_the_loop_publishes_the_work_it_holds(engines):
     """What the routers read (backends/core/serving/load_board.py): the submitted requests' work at once, then
-    less at every step (steps left x rows x pixels), and 0 when they are done."""
+    less at every step (steps left x rows x pixels), and 0 when they are done; predicted seconds
+    once a step was measured, from the seconds a row-step took."""
     engine, encoder = engines
-    published: list[float] = []
+    published: list = []
     results = Results()
     loop = DenoiseLoop(engine, results, publish_load=published.append)
     jobs = [job(encoder, "a", steps=6), job(encoder, "b", steps=4, size=128)]
     for j in jobs:  # before the loop starts: only the submissions are counted
         loop.submit(j)
     total = sum(j.params.work() for j in jobs)
-    assert published == [jobs[0].params.work(), total]
+    assert [p.work for p in published] == [jobs[0].params.work(), total]
+    assert published[-1].seconds is None  # nothing measured yet
     loop.start()
     results.wait(["a", "b"])
     loop.shutdown()
-    assert published[-1] == 0.0 and max(published) == pytest.approx(total)
-    steps_done = [total - w for w in published[2:]]
+    work = [p.work for p in published]
+    assert work[-1] == 0.0 and max(work) == pytest.approx(total)
+    steps_done = [total - w for w in work[2:]]
     assert steps_done == sorted(steps_done)  # never more work than before: it only goes down
-    assert len(set(published)) > 4  # every step told
+    assert len(set(work)) > 4  # every step told
+    measured = [p for p in published if p.seconds is not None]
+    assert measured and all(p.seconds == pytest.approx(p.work * p.row_step_s) for p in measured)  # no edits: dense
+    assert loop.stats.cost.row_step_s > 0
 
 
 @pytest.mark.parametrize("scheduler", ["euler", "euler_a", "dpmpp_2m_karras", "ddim"])

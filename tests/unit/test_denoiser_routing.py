@@ -1,4 +1,5 @@
-"""backends/core/serving/routing.py: requests go to the denoiser with the least outstanding work."""
+"""backends/core/serving/routing.py: requests go to the denoiser with the least outstanding work, in
+predicted seconds (mask-aware) where every denoiser has measured its steps, else in row-steps."""
 
 from __future__ import annotations
 
@@ -7,7 +8,8 @@ import threading
 import pytest
 
 from backends.core.request.params import Limits, validate
-from backends.core.serving.routing import LeastLoaded
+from backends.core.serving.load_board import Load
+from backends.core.serving.routing import LeastLoaded, Pick, RequestCost
 
 
 def test_work_counts_steps_rows_and_pixels():
@@ -21,23 +23,28 @@ def test_work_counts_steps_rows_and_pixels():
     assert work(30, 5.0, 512, left=3) == 1.5  # what is left of it
 
 
+def names(picks):
+    return [p.name for p in picks]
+
+
 def test_equal_requests_go_round_in_turn():
     router = LeastLoaded(["a", "b", "c"])
-    assert [router.pick(1.0) for _ in range(6)] == ["a", "b", "c", "a", "b", "c"]
+    assert names(router.pick(RequestCost(1.0)) for _ in range(6)) == ["a", "b", "c", "a", "b", "c"]
 
 
 def test_a_busy_denoiser_gets_nothing_until_the_others_catch_up():
     router = LeastLoaded(["a", "b"])
-    assert router.pick(100.0) == "a"  # one long request
-    assert [router.pick(1.0) for _ in range(5)] == ["b"] * 5  # round robin would send 2 of these to "a"
-    router.release("a", 100.0)
-    assert router.pick(1.0) == "a"
+    long = router.pick(RequestCost(100.0))
+    assert long.name == "a"
+    assert names(router.pick(RequestCost(1.0)) for _ in range(5)) == ["b"] * 5  # round robin: 2 of these to "a"
+    router.release(long)
+    assert router.pick(RequestCost(1.0)).name == "a"
 
 
 def test_released_work_never_goes_negative():
     router = LeastLoaded(["a", "b"])
-    router.pick(0.1)
-    router.release("a", 0.1 + 1e-12)
+    router.pick(RequestCost(0.1))
+    router.release(Pick("a", 0.1 + 1e-12, 0.0))
     assert router.outstanding["a"] == 0.0
 
 
@@ -46,7 +53,7 @@ def test_concurrent_picks_and_releases_balance_out():
 
     def worker():
         for _ in range(500):
-            router.release(router.pick(2.5), 2.5)
+            router.release(router.pick(RequestCost(2.5)))
 
     threads = [threading.Thread(target=worker) for _ in range(8)]
     for t in threads:
@@ -56,25 +63,66 @@ def test_concurrent_picks_and_releases_balance_out():
     assert router.outstanding == {"a": 0.0, "b": 0.0, "c": 0.0, "d": 0.0}
 
 
-def test_no_denoisers_is_refused():
+def test_no_denoisers_and_unknown_measures_are_refused():
     with pytest.raises(ValueError, match="denoisers: none"):
         LeastLoaded([])
+    with pytest.raises(ValueError, match="routing: 'pixels' is not one of seconds, work"):
+        LeastLoaded(["a"], measure="pixels")
 
 
 def test_a_published_load_counts_with_what_this_router_has_not_seen_admitted():
     """The board (what each denoiser says it holds, whoever sent it) decides; work this router
     sent is added until the denoiser admits it (the board shows it from then on); a denoiser
-    with nothing on the board is counted by this router's own requests."""
-    board = {"a": 40.0, "b": 10.0}
+    with nothing on the board is counted by this router's own requests. Nothing measured yet:
+    compared in work."""
+    board = {"a": Load(40.0), "b": Load(10.0)}
     router = LeastLoaded(["a", "b", "c"], board.get)
     router.outstanding["c"] = 25.0  # not on the board: this router's own count
-    assert router.pick(20.0) == "b"  # 10 against 40 and 25
-    assert router.load("b") == 30.0  # the board has not seen it yet
-    assert router.pick(1.0) == "c"  # 25 against 40 and 30
-    router.admitted("b", 20.0)
-    board["b"] = 30.0  # ... and now the board has
-    assert router.load("b") == 30.0
-    board["a"] = 0.0  # a finished what another public model had sent it
-    assert router.pick(1.0) == "a"
-    router.release("c", 1.0, admitted=False)  # failed before its admission
+    to_b = router.pick(RequestCost(20.0))
+    assert to_b.name == "b"  # 10 against 40 and 25
+    assert router.loads(RequestCost(0.0))[1]["b"] == 30.0  # the board has not seen it yet
+    to_c = router.pick(RequestCost(1.0))
+    assert to_c.name == "c"  # 25 against 40 and 30
+    router.admitted(to_b)
+    board["b"] = Load(30.0)  # ... and now the board has
+    assert router.loads(RequestCost(0.0))[1]["b"] == 30.0
+    board["a"] = Load(0.0)  # a finished what another public model had sent it
+    assert router.pick(RequestCost(1.0)).name == "a"
+    router.release(to_c, admitted=False)  # failed before its admission
     assert router.pending["c"] == 0.0 and router.outstanding["c"] == 25.0
+
+
+def measured(work, token_work=None, rate=0.02, dense=0.3):
+    """A denoiser's board once it has measured steps: its held work priced as the denoiser does."""
+    load = Load(work, None, rate, dense)
+    return Load(work, load.price(work, work if token_work is None else token_work), rate, dense)
+
+
+def test_seconds_see_what_masks_save_and_work_does_not():
+    """Two denoisers with equal row-steps held: one runs whole requests, the other edits that
+    reuse a template and compute a tenth of their tokens. In seconds the second is the less
+    loaded; in work they tie and the turn decides."""
+    board = {"whole": measured(100.0), "edits": measured(100.0, token_work=10.0)}
+    assert LeastLoaded(["whole", "edits"], board.get).pick(RequestCost(10.0)).name == "edits"
+    by_work = LeastLoaded(["whole", "edits"], board.get, measure="work")
+    assert names(by_work.pick(RequestCost(0.0)) for _ in range(2)) == ["whole", "edits"]
+
+
+def test_a_request_goes_where_it_would_finish_first():
+    """A faster denoiser (half the seconds a row-step) with more held still finishes a new
+    request sooner; the request's own seconds count, priced by its mask."""
+    board = {"slow": measured(40.0, rate=0.04), "fast": measured(60.0, rate=0.02)}
+    router = LeastLoaded(["slow", "fast"], board.get)
+    mode, loads, own = router.loads(RequestCost(10.0, token_work=1.0))
+    assert mode == "seconds" and loads["fast"] < loads["slow"]
+    assert own["fast"] == pytest.approx(0.02 * (0.3 * 10.0 + 0.7 * 1.0))
+    chosen = router.pick(RequestCost(10.0, token_work=1.0))
+    assert chosen.name == "fast" and router.pending_s["fast"] == pytest.approx(own["fast"])
+    router.admitted(chosen)
+    assert router.pending_s["fast"] == 0.0 and router.pending["fast"] == 0.0
+
+
+def test_seconds_wait_for_every_denoiser_to_have_measured():
+    board = {"a": measured(50.0), "b": Load(10.0)}  # b has not run a step yet
+    mode, loads, _ = LeastLoaded(["a", "b"], board.get).loads(RequestCost(1.0))
+    assert mode == "work" and loads == {"a": 50.0, "b": 10.0}

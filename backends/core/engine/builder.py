@@ -28,6 +28,7 @@ from backends.core.runtime.artifacts import UNET_DIR, load_unet_halves
 from backends.core.runtime.base import StepBatch, UNetRuntime
 from backends.core.runtime.config import RuntimeConfig
 from backends.core.runtime.placement import Placement
+from backends.core.serving.load_board import Load
 from backends.core.runtime.specs import unet_pooled_dim
 from backends.core.runtime.torch_eager import EagerUNetRuntime
 
@@ -112,9 +113,9 @@ def _runtime(folder: Path, placement: Placement, config: RuntimeConfig) -> UNetR
 def build_denoiser(config: DenoiserConfig, folder: str | Path, placement: Placement,
                    on_done: Callable[[DenoiseResult], None], store_folder: Path | None = None,
                    controlnets: Callable[[TorchDenoiser, AdapterStore | None], object] | None = None,
-                   publish_load: Callable[[float], None] | None = None) -> Denoiser:
+                   publish_load: Callable[[Load], None] | None = None) -> Denoiser:
     """`controlnets(engine, store)` makes the ControlNet provider (the adapter's BLS client), if any;
-    `publish_load(work)` is told the loop's outstanding work whenever it changes (routing)."""
+    `publish_load(load)` is told the loop's outstanding work whenever it changes (routing)."""
     folder = Path(folder)
     runtime = build_runtime(folder, placement, config.runtime, config.cfg_parallel_device)
     device_mib, host_mib, disk_mib = config.template_cache_mib

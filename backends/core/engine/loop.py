@@ -26,6 +26,7 @@ from backends.core.engine.requests import DenoiseJob, RequestState, StepProgress
 from backends.core.request.params import InvalidInput, UnknownAdapter
 from backends.core.engine.step_batcher import BatcherConfig, SeqState, Status, StepOutput, StepBatcher
 from backends.core.engine.step_stats import LoopStats
+from backends.core.serving.load_board import Load
 
 log = logging.getLogger(__name__)
 _WAKE = "wake"  # a LoRA load finished: look again
@@ -64,14 +65,16 @@ def failure_kind(exc: BaseException) -> str:
 
 class DenoiseLoop:
     def __init__(self, engine: TorchDenoiser, on_done: Callable[[DenoiseResult], None],
-                 config: BatcherConfig = BatcherConfig(), publish_load: Callable[[float], None] | None = None):
+                 config: BatcherConfig = BatcherConfig(), publish_load: Callable[[Load], None] | None = None):
         self.engine = engine
         self.on_done = on_done
         # The work still to do (GenerateParams.work of the steps left) of the requests submitted and
-        # not yet taken, and of those taken: published for the routers (backends/core/serving/load_board.py).
+        # not yet taken, and of those taken (also weighted by their share of block tokens computed),
+        # published with its predicted seconds for the routers (backends/core/serving/load_board.py).
         self.publish_load = publish_load
         self._inbox_work = 0.0
         self._held_work = 0.0
+        self._held_token_work = 0.0
         self._work_lock = threading.Lock()
         self.batcher = StepBatcher(config)
         self.states: dict[str, RequestState] = {}
@@ -134,7 +137,9 @@ class DenoiseLoop:
             if new is None:
                 clock.discard()
             else:  # (a request whose first step failed has not had one)
-                clock.end(sum(s.rows for s in batch), tuple(s.job.arrival for s in new if s.index == 1), self.stats)
+                units = [s.job.params.work(1) for s in batch]
+                clock.end(sum(s.rows for s in batch), tuple(s.job.arrival for s in new if s.index == 1), self.stats,
+                          sum(units), sum(u * s.token_share for u, s in zip(units, batch)))
         for rid in list(self.states):
             self._abort(rid, Status.FAILED, "the denoiser is shutting down")
         self._count()
@@ -144,10 +149,11 @@ class DenoiseLoop:
         self.stats.waiting = len(self.batcher.waiting)
         self.stats.running = len(self.batcher.running)
         if self.publish_load is not None:
-            held = sum(s.job.params.work(len(s.timesteps) - s.index) for s in self.states.values())
+            held = [(s.job.params.work(len(s.timesteps) - s.index), s.token_share) for s in self.states.values()]
             with self._work_lock:  # one value: the job leaves the inbox's count as it joins the held
                 self._inbox_work = max(0.0, self._inbox_work - taken)  # sums of floats need not return to 0
-                self._held_work = held
+                self._held_work = sum(work for work, _ in held)
+                self._held_token_work = sum(work * share for work, share in held)
                 self._publish()
 
     def _add_inbox_work(self, work: float) -> None:
@@ -157,8 +163,12 @@ class DenoiseLoop:
                 self._publish()
 
     def _publish(self) -> None:
+        # A job not yet taken is priced whole: whether it reuses a recording is known at admission.
+        work = self._inbox_work + self._held_work
+        cost = self.stats.cost
         try:
-            self.publish_load(self._inbox_work + self._held_work)
+            self.publish_load(Load(work, cost.seconds(work, self._inbox_work + self._held_token_work), cost.row_step_s,
+                                   cost.dense))
         except Exception:  # routing information: never worth a request
             log.exception("publishing the denoiser's load failed")
 

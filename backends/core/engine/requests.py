@@ -118,6 +118,9 @@ class RequestState:
     # A template edit: "recorded" (it ran exactly and recorded the template's activations) or
     # "reused" (approximate: its unmasked tokens came from a recording); None: neither.
     template_use: str | None = None
+    # The share of the transformer blocks' tokens a step of it computes (a reusing edit's is its
+    # mask's): what its steps are priced by (engine/step_cost.py).
+    token_share: float = 1.0
 
     @property
     def rows(self) -> int:

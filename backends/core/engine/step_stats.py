@@ -24,6 +24,8 @@ import time
 from collections import deque
 from dataclasses import dataclass, field
 
+from backends.core.engine.step_cost import StepCostModel
+
 # Marks of one step, in order (`StepClock.mark`); the engine marks the halves and the sampler.
 START, ENCODER, ENCODED, DECODER, DECODED, SAMPLER, SAMPLED, END = range(8)
 MARKS = 8
@@ -41,6 +43,10 @@ class StepRecord:
     orchestration_s: float  # the step's wall time less the three above
     # Time to first step of each request whose first step this was.
     first_step_s: tuple[float, ...] = ()
+    # Its work in 1024x1024 row-steps, and the same weighted by each row's share of block tokens
+    # computed (engine/step_cost.py); 0 where the caller did not say.
+    units: float = 0.0
+    token_units: float = 0.0
 
     @property
     def wall_s(self) -> float:
@@ -59,6 +65,7 @@ class LoopStats:
     running: int = 0  # in the running set (holding latents; includes those held at a LoRA bound)
     dropped: int = 0  # step records dropped because nobody read them
     records: deque[StepRecord] = field(default_factory=lambda: deque(maxlen=MAX_RECORDS))
+    cost: StepCostModel = field(default_factory=StepCostModel)  # learned from every record (loop thread)
 
     @property
     def queued(self) -> int:
@@ -67,6 +74,7 @@ class LoopStats:
         return max(0, self.submitted - self.taken) + self.waiting
 
     def add(self, record: StepRecord) -> None:
+        self.cost.observe(record.units, record.token_units, record.wall_s)
         if len(self.records) == MAX_RECORDS:
             self.dropped += 1
         self.records.append(record)
@@ -90,7 +98,7 @@ class StepClock:
         self._open = False
         self._times = [0.0] * MARKS
         self._events: list | None = None  # the open step's events (GPU)
-        self._pending: deque = deque()  # (events, rows, arrivals) of steps the GPU may not have finished
+        self._pending: deque = deque()  # (events, rows, arrivals, units, token_units) of steps the GPU may not have finished
         self._free: list[list] = []  # event sets to reuse: a step allocates none once the loop is warm
         self._anchor = None
         self._anchor_host = 0.0
@@ -122,18 +130,20 @@ class StepClock:
             self._free.append(self._events)
             self._events = None
 
-    def end(self, rows: int, arrivals: tuple[float, ...], stats: LoopStats) -> None:
-        """Close the step (`arrivals`: admission times of the requests whose first step it was)
-        and hand `stats` every record whose times are known by now."""
+    def end(self, rows: int, arrivals: tuple[float, ...], stats: LoopStats, units: float = 0.0,
+            token_units: float = 0.0) -> None:
+        """Close the step (`arrivals`: admission times of the requests whose first step it was;
+        `units`, `token_units`: its work, StepRecord's) and hand `stats` every record whose times
+        are known by now."""
         self._open = False
         if self._events is None:
             t = self._times
             now = t[END] = time.monotonic()
             stats.add(_record(rows, t[ENCODED] - t[ENCODER], t[DECODED] - t[DECODER], t[SAMPLED] - t[SAMPLER],
-                              now - t[START], tuple(now - a for a in arrivals)))
+                              now - t[START], tuple(now - a for a in arrivals), units, token_units))
             return
         self._events[END].record(self.stream)
-        self._pending.append((self._events, rows, arrivals))
+        self._pending.append((self._events, rows, arrivals, units, token_units))
         self._events = None
         self._since_anchor = True
         self.collect(stats)
@@ -141,7 +151,7 @@ class StepClock:
     def collect(self, stats: LoopStats) -> None:
         """Records of the steps the GPU has finished, in order; never waits for one."""
         while self._pending and self._pending[0][0][END].query():
-            events, rows, arrivals = self._pending.popleft()
+            events, rows, arrivals, units, token_units = self._pending.popleft()
             ms = events[START].elapsed_time
             first = ()
             if arrivals and self._anchor is not None:
@@ -149,7 +159,8 @@ class StepClock:
                 first = tuple(end - a for a in arrivals)
             stats.add(_record(rows, (ms(events[ENCODED]) - ms(events[ENCODER])) / 1e3,
                               (ms(events[DECODED]) - ms(events[DECODER])) / 1e3,
-                              (ms(events[SAMPLED]) - ms(events[SAMPLER])) / 1e3, ms(events[END]) / 1e3, first))
+                              (ms(events[SAMPLED]) - ms(events[SAMPLER])) / 1e3, ms(events[END]) / 1e3, first,
+                              units, token_units))
             self._free.append(events)
 
     def idle(self, stats: LoopStats) -> None:
@@ -168,7 +179,7 @@ class StepClock:
         self._anchor, self._anchor_host, self._since_anchor = anchor, host, False
 
 
-def _record(rows, encoder_s, decoder_s, sampler_s, wall_s, first_step_s) -> StepRecord:
+def _record(rows, encoder_s, decoder_s, sampler_s, wall_s, first_step_s, units, token_units) -> StepRecord:
     # Event times are rounded (to about half a microsecond): the rest is clamped at zero.
     return StepRecord(rows, encoder_s, decoder_s, sampler_s, max(0.0, wall_s - encoder_s - decoder_s - sampler_s),
-                      first_step_s)
+                      first_step_s, units, token_units)

@@ -95,6 +95,13 @@ def computed_tokens(mask: torch.Tensor, levels: int) -> dict[int, torch.Tensor]:
     return out
 
 
+def token_share(computed: dict[int, torch.Tensor]) -> float:
+    """The share of tokens computed over every level of computed_tokens' (a proxy of a step's
+    share of block work, which engine/step_cost.py's fit scales to time). Host-side: read once at
+    admission."""
+    return sum(int(indices.numel()) for indices in computed.values()) / sum(computed)
+
+
 class SubsetContext:
     """What the blocks of one runtime read while it runs a step: the step's layout, or None."""
 

@@ -27,7 +27,7 @@ from backends.core.engine.workflows.txt2img import Txt2Img
 from backends.core.request.params import InvalidInput
 from backends.core.runtime.host_copies import to_device
 from backends.core.runtime.token_subsets import (FULL, RECORD, REUSE, TemplateActivations, TokenLayout, TokenRow,
-                                                 computed_tokens)
+                                                 computed_tokens, token_share)
 
 UNET_CHANNELS = (4, 9)  # a base UNet (blended after each step), an inpainting UNet (mask as input)
 
@@ -101,6 +101,7 @@ class Inpaint(Txt2Img):
             state.template_use = "reused" if reuse else "recorded"
             if reuse:
                 state.computed = computed_tokens(mask, len(m.unet_config.block_out_channels))
+                state.token_share = token_share(state.computed)
         return state
 
     def tokens(self, states) -> TokenLayout | None:

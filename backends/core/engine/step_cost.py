@@ -1,0 +1,52 @@
+"""What a denoiser's steps cost in seconds, learned from its own steps: what the routers compare.
+
+Work is counted in row-steps of 1024x1024 pixels (GenerateParams.work). A template edit that
+reuses a recording computes only part of its tokens in the transformer blocks
+(runtime/token_subsets.py), so its row-steps cost less: a share `dense` of a row-step does not
+shrink with the mask (convolutions, norms, the sampler, the step's fixed costs), the rest shrinks
+with the share of tokens computed. A step of a batch then takes
+
+    seconds = row_step_s * (dense * units + (1 - dense) * token_units)
+
+where `units` are the batch's row-steps and `token_units` the same weighted by each row's share of
+tokens computed (1 for every row that is not a reusing edit). `row_step_s` is learned from steps
+without reusing edits, `dense` from steps with them; both as moving averages, so that they follow
+the batch sizes the denoiser actually runs. Until a reusing edit has been measured `dense` is 1:
+such an edit is priced as a whole one, never as cheaper than measured.
+
+Torch-free: the loop feeds it the step records it has (engine/step_stats.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+# Weight of the newest step in the moving averages: about the last 20 steps decide.
+EMA = 0.05
+
+
+@dataclass
+class StepCostModel:
+    row_step_s: float | None = None  # seconds of one 1024x1024 row-step; None until a step was measured
+    dense: float = 1.0  # the share of a row-step that a reusing edit's mask does not shrink
+
+    def observe(self, units: float, token_units: float, wall_s: float) -> None:
+        """A finished step: its row-steps, the same weighted by token share, its wall time."""
+        if units <= 0.0 or wall_s <= 0.0:
+            return
+        if token_units >= units:  # no reusing edit: the rate
+            rate = wall_s / units
+            self.row_step_s = rate if self.row_step_s is None else self.row_step_s + EMA * (rate - self.row_step_s)
+            return
+        if self.row_step_s is None:
+            return  # a share needs a rate to be measured against
+        # wall / rate = dense * units + (1 - dense) * token_units, solved for dense
+        dense = (wall_s / self.row_step_s - token_units) / (units - token_units)
+        self.dense += EMA * (min(1.0, max(0.0, dense)) - self.dense)
+
+    def seconds(self, units: float, token_units: float) -> float | None:
+        """Predicted seconds of `units` row-steps (`token_units` of them weighted by token share);
+        None before any step was measured."""
+        if self.row_step_s is None:
+            return None
+        return self.row_step_s * (self.dense * units + (1.0 - self.dense) * token_units)
