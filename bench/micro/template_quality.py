@@ -22,19 +22,9 @@ from pathlib import Path
 import numpy as np
 
 from clients.bench.common import bench_parser, start_logging, tiny, write_json
+from clients.bench.edits import RATIOS, centered_mask
 
 log = logging.getLogger("bench.micro.template_quality")
-
-RATIOS = (0.05, 0.1, 0.2, 0.35, 0.5)  # the issue's; InstGenIE's trace has a mean of 0.11
-
-
-def centered_mask(size: int, ratio: float) -> np.ndarray:
-    """A square mask of about `ratio` of the image, at the center (255 repaints)."""
-    side = max(8, int(round(size * ratio ** 0.5 / 8)) * 8)
-    mask = np.zeros((size, size), np.uint8)
-    start = (size - side) // 2
-    mask[start:start + side, start:start + side] = 255
-    return mask
 
 
 def main() -> None:

@@ -574,6 +574,12 @@ def main(argv: list[str] | None = None) -> int:
     skip = {s for s, flag in (("easel", args.skip_easel), ("diffusers_eager", args.skip_diffusers_eager),
                               ("diffusers_compiled", args.skip_diffusers_compiled or setup.smoke)) if flag}
     setup.work.mkdir(parents=True, exist_ok=True)
+    if args.edit:
+        from clients.bench.edits import run_edits
+
+        run_edits(setup, out)
+        print(out / "edits.json")
+        return 0
     # SIGTERM (`timeout`, a time limit) unwinds like Ctrl-C: servers stop, results are saved.
     previous = None
     if threading.current_thread() is threading.main_thread():

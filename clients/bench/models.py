@@ -77,6 +77,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--shared-compile-cache", action="store_true",
                    help="every configuration's server compiles into one cache in --work and starts once: a later "
                         "configuration (or run) loads what an earlier one compiled. No cold-start figures then")
+    p.add_argument("--edit", action="store_true",
+                   help="template edits instead of text-to-image: reusing a recording against exact inpainting per "
+                        "mask ratio (latency, PSNR/SSIM) and at each --concurrency (images/s); writes edits.json")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="the whole run on CPU with the tiny model (fp32, eager, no torch.compile): tests the script")
     p.add_argument("--replot", type=Path, default=None, metavar="DIR",
