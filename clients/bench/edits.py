@@ -10,6 +10,8 @@ outside the mask are noised with the request's noise), prompts that differ per r
   of the same prompt: PSNR and SSIM of the whole image and of the masked region.
 - Throughput: c clients at once, rounds back to back, every request's mask ratio drawn from a
   distribution with InstGenIE's trace's mean (0.11), exact against reusing, images/s.
+- diffusers' StableDiffusionXLInpaintPipeline on the same weights, eager and with its UNet
+  compiled: latency per mask ratio, and one call batching c edits per concurrency level.
 
 Written into `<out>/edits.json` beside the other configurations' results. Random weights: the
 figures say what reuse costs and how far it moves an image, not how good pictures look.
@@ -17,9 +19,11 @@ figures say what reuse costs and how far it moves an image, not how good picture
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
+import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -27,12 +31,16 @@ from pathlib import Path
 
 import numpy as np
 
+from clients.bench.models import SCHEDULER
+from clients.bench.report import GUIDANCE
+
 log = logging.getLogger("easel.bench.edits")
 
 RATIOS = (0.05, 0.1, 0.2, 0.35, 0.5)
 TRACE_MEAN_RATIO = 0.11  # InstGenIE's production trace (0.19 in the public one it cites)
 TEMPLATE = "bench-template"
 SEED = 7
+SAMPLING = dict(guidance_scale=GUIDANCE, scheduler=SCHEDULER)  # diffusers' EulerDiscreteScheduler, guided
 # Device memory for recordings: SDXL at 1024 px with guidance is 0.42 GB a step.
 GPU_TEMPLATE_CACHE_GIB = (48.0, 0.0, 0.0)
 
@@ -77,7 +85,7 @@ def record(client, setup, template: bytes, steps: int) -> float:
     """The template's recording at `steps` (a recording is kept per step count), then one reusing
     edit untimed (the first run of the reusing path); the recording's seconds."""
     files = dict(steps=steps, width=setup.size, height=setup.size, seed=SEED, strength=1.0, image=template,
-                 mask_image=_png(centered_mask(setup.size, 0.2)), template=TEMPLATE)
+                 mask_image=_png(centered_mask(setup.size, 0.2)), template=TEMPLATE, **SAMPLING)
     start = time.perf_counter()
     use = client.generate("the recording", **files).info.get("template_use")
     seconds = time.perf_counter() - start
@@ -88,7 +96,8 @@ def record(client, setup, template: bytes, steps: int) -> float:
 
 
 def latency(client, setup, template: bytes, out: dict) -> None:
-    request = dict(steps=setup.steps, width=setup.size, height=setup.size, seed=SEED, strength=1.0, image=template)
+    request = dict(steps=setup.steps, width=setup.size, height=setup.size, seed=SEED, strength=1.0, image=template,
+                   **SAMPLING)
     for ratio in RATIOS:
         mask = centered_mask(setup.size, ratio)
         files = dict(request, mask_image=_png(mask))
@@ -134,7 +143,8 @@ def throughput(url: str, setup, template: bytes, c: int) -> dict:
                         barrier.wait()
                         return clients[i].generate(
                             f"edit {r}-{i}", steps=setup.throughput_steps, width=setup.size, height=setup.size,
-                            seed=SEED, strength=1.0, image=template, mask_image=masks[r * c + i], **extra).info
+                            seed=SEED, strength=1.0, image=template, mask_image=masks[r * c + i], **SAMPLING,
+                            **extra).info
 
                     futures = [pool.submit(one, i) for i in range(c)]
                     barrier.wait()
@@ -151,42 +161,194 @@ def throughput(url: str, setup, template: bytes, c: int) -> dict:
     return out
 
 
-def run_edits(setup, out_dir: Path) -> dict:
-    """Exports the model with a template cache, starts tritonserver and measures; writes edits.json."""
-    from clients.bench.common import tiny, random_sdxl
-    from clients.bench.harness import start_server
+def diffusers_edits(setup, model: Path, template: np.ndarray, compiled: bool) -> dict:
+    """StableDiffusionXLInpaintPipeline, what a diffusers user runs (eager, or its UNet under
+    torch.compile's reduce-overhead): latency per mask ratio, one call batching c edits per
+    concurrency level (the same masks' distribution as Easel's rounds)."""
+    import torch
+    from diffusers import EulerDiscreteScheduler, StableDiffusionXLInpaintPipeline
+    from PIL import Image
+
+    from clients.bench.models import WARMUP_STEPS, free_gpu
+
+    dtype = torch.float16 if setup.dtype == "fp16" else torch.float32
+    pipe = StableDiffusionXLInpaintPipeline.from_pretrained(model, dtype=dtype, add_watermarker=False)
+    pipe.scheduler = EulerDiscreteScheduler.from_config(pipe.scheduler.config)  # the requests' `euler`
+    pipe = pipe.to(setup.torch_device)
+    pipe.set_progress_bar_config(disable=True)
+    image = Image.fromarray(template)
+
+    def call(count: int, steps: int, masks: list[np.ndarray]) -> float:
+        if setup.device == "cuda":
+            torch.cuda.synchronize(setup.torch_device)
+        start = time.perf_counter()
+        pipe([f"an edit {i}" for i in range(count)], image=[image] * count,
+             mask_image=[Image.fromarray(m) for m in masks], width=setup.size, height=setup.size, strength=1.0,
+             num_inference_steps=steps, guidance_scale=GUIDANCE,
+             generator=[torch.Generator("cpu").manual_seed(SEED) for _ in range(count)])
+        if setup.device == "cuda":
+            torch.cuda.synchronize(setup.torch_device)
+        return time.perf_counter() - start
+
+    out = {"compiled": compiled, "latency": {}, "throughput": {}}
+    try:
+        if compiled:
+            pipe.unet = torch.compile(pipe.unet, mode="reduce-overhead")
+        out["warmup_s"] = call(1, WARMUP_STEPS, [centered_mask(setup.size, 0.2)])
+        for ratio in RATIOS:
+            seconds = [call(1, setup.steps, [centered_mask(setup.size, ratio)]) for _ in range(setup.runs)]
+            out["latency"][str(ratio)] = {"s": seconds, "p50_s": float(np.median(seconds))}
+            log.info("diffusers %s, mask %.2f: p50 %.3fs", "compiled" if compiled else "eager", ratio,
+                     out["latency"][str(ratio)]["p50_s"])
+        for c in setup.concurrency:
+            masks = [centered_mask(setup.size, r) for r in trace_ratios(c * setup.easel_rounds(c), seed=c)[:c]]
+            warmup = call(c, WARMUP_STEPS, masks)
+            wall = call(c, setup.throughput_steps, masks)
+            out["throughput"][str(c)] = {"batch": c, "wall_s": wall, "img_s": c / wall, "warmup_s": warmup}
+            log.info("diffusers %s, batch %d: %.3f images/s", "compiled" if compiled else "eager", c, c / wall)
+    finally:
+        del pipe
+        if compiled:
+            torch._dynamo.reset()
+        free_gpu(setup)
+    return out
+
+
+def open_loop(url: str, setup, template: bytes, rate: float, count: int, seed: int) -> dict:
+    """`count` reusing edits arriving as a Poisson process of `rate` per second (each sent at its
+    time whatever is still running: open loop), masks from the trace; latency from arrival to image."""
     from clients.client import EaselClient
+
+    rng = np.random.default_rng(seed)
+    arrivals = np.cumsum(rng.exponential(1.0 / rate, count))
+    ratios = trace_ratios(count, seed)
+    masks = [_png(centered_mask(setup.size, r)) for r in ratios]
+    width = min(count, 64)
+    idle: queue.Queue = queue.Queue()
+    for _ in range(width):
+        idle.put(EaselClient(url, protocol="grpc"))
+    latencies, uses = [0.0] * count, [None] * count
+
+    def one(i: int, sent: float) -> None:
+        client = idle.get()
+        try:
+            uses[i] = client.generate(f"a loaded edit {i}", steps=setup.throughput_steps, width=setup.size,
+                                      height=setup.size, seed=SEED, strength=1.0, image=template, mask_image=masks[i],
+                                      template=TEMPLATE, **SAMPLING).info.get("template_use")
+        finally:
+            idle.put(client)
+        latencies[i] = time.perf_counter() - sent
+
+    try:
+        with ThreadPoolExecutor(max_workers=width) as pool:
+            start = time.perf_counter()
+            futures = []
+            for i, at in enumerate(arrivals):
+                time.sleep(max(0.0, start + at - time.perf_counter()))
+                futures.append(pool.submit(one, i, time.perf_counter()))
+            for f in futures:
+                f.result()
+    finally:
+        while not idle.empty():
+            idle.get().close()
+    out = {"rate": rate, "count": count, "mask_ratios": ratios, "latency_s": latencies,
+           "p50_s": float(np.percentile(latencies, 50)), "p95_s": float(np.percentile(latencies, 95)),
+           "mean_s": float(np.mean(latencies)), "template_use": {u: uses.count(u) for u in set(uses)}}
+    log.info("%.2f edits/s: p50 %.3fs, p95 %.3fs (%s)", rate, out["p50_s"], out["p95_s"], out["template_use"])
+    return out
+
+
+def record_everywhere(url: str, setup, template: bytes, denoisers: int) -> None:
+    """The template recorded on every denoiser (as many recordings at once as there are
+    denoisers: the router spreads equal requests), then reusing edits to each so that every
+    denoiser has priced its steps (engine/step_cost.py)."""
+    from clients.client import EaselClient
+
+    def edit(i: int, ratio: float):
+        with EaselClient(url, protocol="grpc") as client:
+            return client.generate(f"warm {i}", steps=setup.throughput_steps, width=setup.size, height=setup.size,
+                                   seed=SEED, strength=1.0, image=template, template=TEMPLATE,
+                                   mask_image=_png(centered_mask(setup.size, ratio)), **SAMPLING).info
+    with ThreadPoolExecutor(max_workers=2 * denoisers) as pool:
+        list(pool.map(edit, range(denoisers), [0.2] * denoisers))
+        for _ in range(2):
+            list(pool.map(edit, range(2 * denoisers), [0.05, 0.5] * denoisers))
+
+
+@contextlib.contextmanager
+def serving(setup, model: Path, routing: str, denoisers: int):
+    """A repository of `model` with a template cache and `routing` (easel export --routing),
+    served by tritonserver for the block; yields (server, start seconds)."""
+    from clients.bench.harness import start_server
     from export.repository import ExportOptions, export_repository
 
-    model = tiny(setup.work) if setup.smoke else random_sdxl(setup.work)
-    repo = setup.work / "repo-edits"
     top = max(setup.concurrency)
-    options = ExportOptions(device=setup.device, dtype=setup.dtype, gpus=setup.gpus, runtime=setup.runtime,
+    place = dict(cpu_denoisers=denoisers) if setup.smoke else dict(gpus=setup.gpus)
+    options = ExportOptions(device=setup.device, dtype=setup.dtype, runtime=setup.runtime, routing=routing,
                             max_size=max(setup.size, 64), warmup_sizes=(setup.size,),
                             max_steps=max(150, setup.steps, setup.throughput_steps),
                             max_in_flight=max(56, top + 48), max_running=max(16, top),
                             max_batch_rows=max(16, 2 * top),
-                            template_cache_gib=(1.0, 0.0, 0.0) if setup.smoke else GPU_TEMPLATE_CACHE_GIB)
+                            template_cache_gib=(1.0, 0.0, 0.0) if setup.smoke else GPU_TEMPLATE_CACHE_GIB, **place)
+    repo = setup.work / f"repo-edits-{routing}"
     export_repository(model, repo, options)
-    template = _png(np.random.default_rng(1234).integers(0, 256, (setup.size, setup.size, 3), dtype=np.uint8))
-    results = {"size": setup.size, "steps": setup.steps, "throughput_steps": setup.throughput_steps,
-               "runs": setup.runs, "device": setup.device, "gpus": list(setup.gpus), "runtime": setup.resolved_runtime,
-               "seed": SEED, "latency": {}, "throughput": {}}
-    out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "edits.json"
-    server, results["start_s"] = start_server(repo, setup)
+    if setup.shared_compile_cache:
+        from clients.bench.harness import share_compile_cache
+
+        share_compile_cache(repo, setup.work / "compile-cache")
+    server, start_s = start_server(repo, setup)
     try:
-        with EaselClient(server.url_grpc, protocol="grpc") as client:
-            client.generate("warm up", steps=2, width=setup.size, height=setup.size, seed=0, strength=1.0,
-                            image=template, mask_image=_png(centered_mask(setup.size, 0.2)))
-            results["record_s"] = record(client, setup, template, setup.steps)
-            latency(client, setup, template, results["latency"])
-            path.write_text(json.dumps(results, indent=1))
-            if setup.throughput_steps != setup.steps:
-                results["throughput_record_s"] = record(client, setup, template, setup.throughput_steps)
-        for c in setup.concurrency:
-            results["throughput"][str(c)] = throughput(server.url_grpc, setup, template, c)
-            path.write_text(json.dumps(results, indent=1))
+        yield server, start_s
     finally:
         server.stop()
+
+
+def run_edits(setup, out_dir: Path, skip: set[str] = frozenset(), load_rates: tuple[float, ...] = (),
+              load_requests: int = 40) -> dict:
+    """Measures what the module's docstring says into `out_dir`/edits.json. With `load_rates`, the
+    open-loop load at each rate, routed by predicted seconds (mask-aware) and by row-steps, on
+    every --gpus denoiser (two on the CPU)."""
+    from clients.bench.common import tiny, random_sdxl
+    from clients.client import EaselClient
+
+    model = tiny(setup.work) if setup.smoke else random_sdxl(setup.work)
+    denoisers = 2 if setup.smoke and load_rates else len(setup.gpus)
+    if load_rates and denoisers < 2:
+        raise SystemExit("easel bench --edit: --load-rates compares routings, which needs two --gpus or more")
+    template_pixels = np.random.default_rng(1234).integers(0, 256, (setup.size, setup.size, 3), dtype=np.uint8)
+    template = _png(template_pixels)
+    results = {"size": setup.size, "steps": setup.steps, "throughput_steps": setup.throughput_steps,
+               "runs": setup.runs, "device": setup.device, "gpus": list(setup.gpus), "runtime": setup.resolved_runtime,
+               "seed": SEED, "latency": {}, "throughput": {}, "load": {}}
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / "edits.json"
+
+    def save():
+        path.write_text(json.dumps(results, indent=1))
+
+    for routing in ("seconds", "work") if load_rates else ("seconds",):
+        with serving(setup, model, routing, denoisers) as (server, start_s):
+            results.setdefault("start_s", {})[routing] = start_s
+            if routing == "seconds":
+                with EaselClient(server.url_grpc, protocol="grpc") as client:
+                    client.generate("warm up", steps=2, width=setup.size, height=setup.size, seed=0, strength=1.0,
+                                    image=template, mask_image=_png(centered_mask(setup.size, 0.2)), **SAMPLING)
+                    results["record_s"] = record(client, setup, template, setup.steps)
+                    latency(client, setup, template, results["latency"])
+                save()
+                if setup.throughput_steps != setup.steps:
+                    with EaselClient(server.url_grpc, protocol="grpc") as client:
+                        results["throughput_record_s"] = record(client, setup, template, setup.throughput_steps)
+                for c in setup.concurrency:
+                    results["throughput"][str(c)] = throughput(server.url_grpc, setup, template, c)
+                    save()
+            if load_rates:
+                record_everywhere(server.url_grpc, setup, template, denoisers)
+                results["load"][routing] = {str(rate): open_loop(server.url_grpc, setup, template, rate, load_requests,
+                                                                 seed=k) for k, rate in enumerate(load_rates)}
+                save()
+    for system, compiled in (("diffusers_eager", False), ("diffusers_compiled", True)):
+        if system not in skip:
+            results[system] = diffusers_edits(setup, model, template_pixels, compiled)
+            save()
     return results

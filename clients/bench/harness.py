@@ -577,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.edit:
         from clients.bench.edits import run_edits
 
-        run_edits(setup, out)
+        run_edits(setup, out, skip, args.load_rates, args.load_requests)
         print(out / "edits.json")
         return 0
     # SIGTERM (`timeout`, a time limit) unwinds like Ctrl-C: servers stop, results are saved.

@@ -80,11 +80,26 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--edit", action="store_true",
                    help="template edits instead of text-to-image: reusing a recording against exact inpainting per "
                         "mask ratio (latency, PSNR/SSIM) and at each --concurrency (images/s); writes edits.json")
+    p.add_argument("--load-rates", type=rates, default=(),
+                   help="with --edit: edits a second arriving at random (Poisson) for an open-loop load at each "
+                        "rate, routed by predicted seconds and by row-steps (export --routing) over two --gpus or more")
+    p.add_argument("--load-requests", type=int, default=40, help="with --load-rates: edits at each rate")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="the whole run on CPU with the tiny model (fp32, eager, no torch.compile): tests the script")
     p.add_argument("--replot", type=Path, default=None, metavar="DIR",
                    help="only rewrite DIR/results.md and the plots from DIR/results.json")
     return p
+
+
+def rates(text: str) -> tuple[float, ...]:
+    """--load-rates: comma-separated positive numbers."""
+    try:
+        values = tuple(float(v) for v in text.split(",") if v.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--load-rates: {text!r} is not a comma-separated list of numbers") from None
+    if not values or min(values) <= 0:
+        raise argparse.ArgumentTypeError(f"--load-rates: {text!r} must list rates above 0")
+    return values
 
 
 def gpu_pairs(text: str) -> tuple[tuple[int, int], ...]:

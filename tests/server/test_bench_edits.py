@@ -1,6 +1,7 @@
 """`easel bench --edit --cpu-smoke` end to end (clients/bench/edits.py): a real tritonserver on the
 tiny model records a template, then measures exact and reusing edits at every mask ratio and
-concurrency. Each reusing edit is checked to have reused (the script refuses otherwise) and to
+concurrency, an open-loop load on two denoisers routed by predicted seconds and by row-steps,
+then diffusers' inpaint pipeline does the same edits. Each reusing edit is checked to have reused (the script refuses otherwise) and to
 stay near its exact twin: PSNR >= 30 dB (the tiny model at 64 px measured 42-47 dB; a recording
 that fed the wrong tokens lands near 10 dB)."""
 
@@ -17,7 +18,7 @@ MIN_PSNR = 30.0
 def test_the_edit_benchmark_measures_every_mask_ratio_and_concurrency(tmp_path):
     out = tmp_path / "out"
     assert main(["--cpu-smoke", "--edit", "--work", str(tmp_path / "work"), "--out", str(out), "--runs", "2",
-                 "--concurrency", "1,2"]) == 0
+                 "--concurrency", "1,2", "--load-rates", "4,8", "--load-requests", "8"]) == 0
     results = json.loads((out / "edits.json").read_text())
     assert set(results["latency"]) == {str(r) for r in RATIOS}
     for row in results["latency"].values():
@@ -28,3 +29,10 @@ def test_the_edit_benchmark_measures_every_mask_ratio_and_concurrency(tmp_path):
         assert entry["exact"]["img_s"] > 0 and set(entry["reuse"]["template_use"]) == {"reused"}
         assert set(entry["exact"]["template_use"]) == {None}
         assert 0.05 <= min(entry["mask_ratios"]) <= max(entry["mask_ratios"]) <= 0.5
+    for routing in ("seconds", "work"):  # the same arrivals on two denoisers, routed each way
+        for rate in ("4.0", "8.0"):
+            load = results["load"][routing][rate]
+            assert load["count"] == 8 and load["template_use"] == {"reused": 8} and load["p95_s"] >= load["p50_s"] > 0
+    diffusers = results["diffusers_eager"]  # the same edits through StableDiffusionXLInpaintPipeline
+    assert set(diffusers["latency"]) == {str(r) for r in RATIOS} and diffusers["throughput"]["2"]["img_s"] > 0
+    assert "diffusers_compiled" not in results  # --cpu-smoke: no torch.compile
