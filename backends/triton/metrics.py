@@ -148,8 +148,10 @@ class TemplateMetrics:
         self.metrics = Metrics(labels, {
             "misses": ("easel_template_misses_total", "template edits that recorded (no recording to reuse)",
                        "counter"),
-            "load_s": ("easel_template_load_seconds_total", "seconds admissions spent bringing recordings to the "
-                                                             "device", "counter"),
+            "load_s": ("easel_template_load_seconds_total", "seconds the cache's loader thread spent bringing "
+                                                             "recordings to the device (off the step loop)", "counter"),
+            "wait_s": ("easel_template_wait_seconds_total", "seconds edits were held before their first step "
+                                                             "waiting for their recording's load", "counter"),
             "computed": ("easel_template_computed_tokens_total",
                          "block tokens computed by edits that reused a recording", "counter"),
             "tokens": ("easel_template_tokens_total", "block tokens those edits would have computed whole",
@@ -168,6 +170,7 @@ class TemplateMetrics:
             self.totals[(key, tier)] = total
         self.metrics.set_total("misses", stats.misses)
         self.metrics.set_total("load_s", stats.load_seconds)
+        self.metrics.set_total("wait_s", stats.wait_seconds)
         subsets = getattr(self.engine.runtime, "subsets", None)
         if subsets is not None:
             self.metrics.set_total("computed", subsets.computed_tokens)

@@ -122,6 +122,7 @@ def test_recordings_move_down_the_tiers_and_survive_a_restart(tmp_path):
     import torch
 
     from backends.core.engine.template_cache import TemplateCache
+    from backends.core.runtime.token_subsets import TemplateActivations
 
     one = recording().nbytes  # 2 rows x 3 steps x 2 blocks x 16 x 8 floats
     cache = TemplateCache("cpu", device_bytes=one, host_bytes=one, disk_bytes=10 * one, folder=tmp_path / "t")
@@ -134,15 +135,21 @@ def test_recordings_move_down_the_tiers_and_survive_a_restart(tmp_path):
         cache.completed(r, (name, 1))
     assert cache.stats.evictions["device"] == 2 and cache.stats.evictions["host"] == 1
     assert len(list((tmp_path / "t").glob("*.safetensors"))) == 3
-    reuse, r = cache.take(("b", 1), 2)  # in the host tier
+    reuse, r = cache.take(("b", 1), 2)  # in the host tier: loaded by the cache's loader thread
+    r = r.result()
     assert reuse and cache.stats.hits["host"] == 1 and torch.equal(r.get(2, 1, 1), made["b"].get(2, 1, 1))
     reuse, r = cache.take(("a", 1), 2)  # dropped from memory: its file
+    r = r.result()
     assert reuse and cache.stats.hits["disk"] == 1 and torch.equal(r.get(0, 0, 0), made["a"].get(0, 0, 0))
+    assert cache.take(("a", 1), 2) == (True, r) and cache.stats.hits["device"] == 1  # on the device now
 
     (tmp_path / "t" / "stray.safetensors").write_bytes(b"not a recording")
     restarted = TemplateCache("cpu", device_bytes=one, disk_bytes=10 * one, folder=tmp_path / "t")
+    restarted.prefetch(("c", 1))  # a request with this key was submitted
     reuse, r = restarted.take(("c", 1), 2)
+    r = r if isinstance(r, TemplateActivations) else r.result()
     assert reuse and restarted.stats.hits["disk"] == 1 and torch.equal(r.get(1, 0, 1), made["c"].get(1, 0, 1))
+    assert restarted.stats.loaded_bytes["disk"] > 0 and restarted.stats.load_seconds > 0
     assert not restarted.take(("d", 1), 2)[0]
 
     small = TemplateCache("cpu", device_bytes=one, disk_bytes=one * 3 // 2, folder=tmp_path / "t")
@@ -239,3 +246,46 @@ def test_a_reusing_edit_is_priced_by_its_share_of_tokens(setup):
             assert len(shares) == 1 and 0.1 < shares.pop() < 0.9, shares
         else:
             assert shares == {share}
+
+
+def test_an_edit_whose_recording_loads_is_held_while_others_step(setup, tmp_path):
+    """A recording in a lower tier is loaded by the cache's thread, never on the loop: the edit
+    that needs it waits before its first step (its wait counted) while a text-to-image request
+    beside it steps, then reuses it and equals the same edit served from the device."""
+    import threading
+
+    from backends.core.engine.denoiser import TorchDenoiser
+    from backends.core.engine.loop import DenoiseLoop
+    from backends.core.engine.template_cache import TemplateCache
+    from backends.core.runtime.placement import Placement
+    from tests.unit.test_denoise_loop import Results, job as txt2img_job
+
+    _, cached, encoder, *_ = setup
+    latents(cached, job(setup, "record-on-device", seed=31))
+    served = latents(cached, job(setup, "reuse-from-device", seed=31, prompt="a green door"))
+    folder = tmp_path / "templates"
+    writer = TorchDenoiser(cached.folder, Placement(),
+                           templates=TemplateCache("cpu", disk_bytes=1 << 30, folder=folder))
+    latents(writer, job(setup, "record-to-disk", seed=31))  # the same recording, written to the folder
+    gate = threading.Event()
+    restarted = TemplateCache("cpu", disk_bytes=1 << 30, folder=folder)
+    load = restarted._load
+    restarted._load = lambda *a: (gate.wait(60), load(*a))[1]  # the file read lasts until the gate opens
+    engine = TorchDenoiser(cached.folder, Placement(), templates=restarted)
+    results = Results()
+    loop = DenoiseLoop(engine, results)
+    loop.start()
+    try:
+        loop.submit(job(setup, "loaded", seed=31, prompt="a green door"))
+        loop.submit(txt2img_job(encoder, "beside", steps=4))
+        (beside,) = results.wait(["beside"])  # it finished while the edit waited for its recording
+        assert beside.error is None and "loaded" not in results.done
+        gate.set()
+        (loaded,) = results.wait(["loaded"])
+    finally:
+        gate.set()
+        loop.shutdown()
+        restarted.close()
+    assert loaded.error is None and loaded.template_use == "reused"
+    assert restarted.stats.hits["disk"] == 1 and restarted.stats.wait_seconds > 0
+    np.testing.assert_allclose(loaded.latents, served, atol=TOL)

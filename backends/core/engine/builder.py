@@ -70,6 +70,7 @@ class Denoiser:
         if self.lora_loader is not None:
             self.lora_loader.shutdown()
         self.loop.shutdown()
+        self.engine.templates.close()  # after the loop: nothing waits for a load any more
         if self.engine.controls.provider is not None:
             self.engine.controls.provider.shutdown()
 

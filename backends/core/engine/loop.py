@@ -89,6 +89,12 @@ class DenoiseLoop:
     def submit(self, job: DenoiseJob) -> None:
         self.stats.submitted += 1
         self._add_inbox_work(job.params.work())
+        workflow = self.engine.workflows.get(job.workflow)  # (an unknown one is refused at admission)
+        try:
+            if workflow is not None:
+                workflow.prefetch(job)
+        except Exception:  # a head start only: admission checks the job and fetches what it needs
+            log.warning("prefetch for request %s failed", job.request_id, exc_info=True)
         self._inbox.put(job)
 
     def shutdown(self, timeout: float = 30.0) -> None:
@@ -113,9 +119,10 @@ class DenoiseLoop:
             clock.begin()  # the step's wall time starts here: scheduling is part of it
             self._reap_cancelled()
             self._take_loaded_loras()
+            self._take_loaded()
             plan = self.batcher.schedule(now=time.monotonic())
             self._count()
-            if plan is None:  # nothing runnable: every request waits at its LoRA bound
+            if plan is None:  # nothing runnable: every request waits at its LoRA bound or for a load
                 clock.discard()
                 self._drain(block=True)
                 continue
@@ -222,6 +229,11 @@ class DenoiseLoop:
             # without the LoRAs it asked for.
             seq.wait_from_step = min(job.lora_bound, seq.steps - 1)
             job.loras_pending.add_done_callback(lambda _: self._inbox.put(_WAKE))
+        loading = state.workflow.loading(state)
+        if loading is not None:  # held before its first step; the others keep stepping
+            seq.wait_from_step = 0
+            state.loading_since = time.monotonic()
+            loading.add_done_callback(lambda _: self._inbox.put(_WAKE))
 
     def _take_loaded_loras(self) -> None:
         """LoRAs that finished loading join their request at this step boundary."""
@@ -238,7 +250,20 @@ class DenoiseLoop:
             state.lora_step = state.index
             seq = self.batcher.find(rid)
             if seq is not None:
-                seq.wait_from_step = None
+                seq.wait_from_step = 0 if state.workflow.loading(state) is not None else None
+
+    def _take_loaded(self) -> None:
+        """What a request waited for before its first step (a template's recording) joins it here."""
+        for rid, state in list(self.states.items()):
+            loading = state.workflow.loading(state)
+            if loading is None or not loading.done():
+                continue
+            state.workflow.adopt(state)
+            self.engine.templates.stats.wait_seconds += time.monotonic() - state.loading_since
+            seq = self.batcher.find(rid)
+            if seq is not None:
+                job = state.job
+                seq.wait_from_step = min(job.lora_bound, seq.steps - 1) if job.loras_pending is not None else None
 
     def _reap_cancelled(self) -> None:
         """Requests whose client cancelled or whose deadline passed leave here, at a step

@@ -121,6 +121,7 @@ class RequestState:
     # The share of the transformer blocks' tokens a step of it computes (a reusing edit's is its
     # mask's): what its steps are priced by (engine/step_cost.py).
     token_share: float = 1.0
+    loading_since: float = 0.0  # when the loop began holding it for what it waits for (Workflow.loading)
 
     @property
     def rows(self) -> int:

@@ -11,8 +11,13 @@ read recordings), host memory (pinned on a GPU host) and a folder of safetensors
 recording, written when it completes, so recordings survive a restart (the folder's files are
 indexed at start from their metadata; nothing but safetensors is read, nothing is unpickled). A
 recording leaving the device goes to the host tier, one leaving the host tier is dropped (its
-file stays). A hit in a lower tier copies the recording to the device before the edit starts. Replicas
-that share weights share the folder: a file another one dropped is a miss.
+file stays). Replicas that share weights share the folder: a file another one dropped is a miss.
+
+A hit in a lower tier is loaded to the device by the cache's loader thread (the file read, then
+the copy on a CUDA stream of its own), never on the denoiser's loop: `take` hands the edit a
+Future, and the loop holds that request (as a LoRA bound holds one) while the others step, until
+the recording is on the device. `prefetch` starts the same load when a request is submitted, so a
+request that queues finds its recording loaded or on its way.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import os
 import threading
 import time
 from collections import OrderedDict
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -42,8 +48,10 @@ class TemplateCacheStats:
     hits: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
     misses: int = 0
     loaded_bytes: dict[str, int] = field(default_factory=lambda: dict.fromkeys(("host", "disk"), 0))
-    # Seconds admissions spent bringing recordings to the device (they wait for it, for now)
+    # Seconds the loader thread spent bringing recordings to the device (off the loop), and the
+    # seconds edits were held waiting for one (their own latency; the loop kept stepping others)
     load_seconds: float = 0.0
+    wait_seconds: float = 0.0
     evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
 
 
@@ -56,33 +64,64 @@ class TemplateCache:
         self.stats = TemplateCacheStats()
         self._tiers: dict[str, OrderedDict] = {tier: OrderedDict() for tier in TIERS}  # key -> recording (disk: _File)
         self._lock = threading.Lock()
+        self._loading: dict[str, Future] = {}  # recordings on their way to the device
+        self._loader: ThreadPoolExecutor | None = None
+        self._stream = None  # the loader's CUDA stream
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._index_folder()
 
-    def take(self, key: tuple, rows: int) -> tuple[bool, TemplateActivations]:
-        """(True, the recording on the device) for an edit that reuses one, or (False, a new one
-        to fill)."""
+    def take(self, key: tuple, rows: int) -> tuple[bool, TemplateActivations | Future]:
+        """(True, the recording on the device) for an edit that reuses one; (True, a Future of it)
+        when it is in a lower tier (its load started, or joined); (False, a new one to fill)."""
         name = _key_text(key)
         with self._lock:
-            for tier in TIERS:
-                kept = self._tiers[tier].get(name)
-                if kept is None or (tier == "device" and not kept.complete):
-                    continue
-                if tier != "device":
-                    try:
-                        kept = self._load(tier, name, kept)
-                    except OSError:  # its file went (another denoiser sharing the folder dropped it)
-                        self._tiers[tier].pop(name)
-                        continue
-                self.stats.hits[tier] += 1
-                self._tiers["device"][name] = kept
+            kept = self._tiers["device"].get(name)
+            if kept is not None and kept.complete:
+                self.stats.hits["device"] += 1
                 self._tiers["device"].move_to_end(name)
                 return True, kept
+            future = self._start_load(name, count=True)
+            if future is not None:
+                return True, future
             self.stats.misses += 1
             fresh = self._tiers["device"][name] = TemplateActivations(rows)
             self._tiers["device"].move_to_end(name)
             return False, fresh
+
+    def prefetch(self, key: tuple) -> None:
+        """A request with this key is on its way: start loading its recording if a lower tier has it."""
+        name = _key_text(key)
+        with self._lock:
+            kept = self._tiers["device"].get(name)
+            if kept is None or not kept.complete:
+                self._start_load(name, count=False)
+
+    def close(self) -> None:
+        if self._loader is not None:
+            self._loader.shutdown(wait=True, cancel_futures=True)
+
+    def _start_load(self, name: str, count: bool) -> Future | None:
+        """(Under the lock.) The load of a host or disk recording, started or already running."""
+        running = self._loading.get(name)
+        if running is not None:
+            if count:
+                self.stats.hits[running.tier] += 1
+            return running
+        for tier in ("host", "disk"):
+            kept = self._tiers[tier].get(name)
+            if kept is not None:
+                break
+        else:
+            return None
+        if self._loader is None:
+            self._loader = ThreadPoolExecutor(1, thread_name_prefix="easel-template-load")
+        future = self._loader.submit(self._load, tier, name, kept)
+        future.tier = tier
+        self._loading[name] = future
+        if count:
+            self.stats.hits[tier] += 1
+        return future
 
     def completed(self, recording: TemplateActivations, key: tuple) -> None:
         """Its edit ran every step: later edits may reuse it. Its file is written (with a disk
@@ -129,24 +168,42 @@ class TemplateCache:
                 self._tiers["host"][name] = _moved(kept, torch.device("cpu"), pin=self.device.type == "cuda")
 
     def _load(self, tier: str, name: str, kept) -> TemplateActivations:
+        """(The loader thread.) Read (disk) and copy to the device on the loader's own stream, then
+        put the recording in the device tier."""
         start = time.perf_counter()
         try:
-            return self._loaded(tier, name, kept)
+            if tier == "disk":
+                from safetensors.torch import load_file
+
+                recording = _from_file(load_file(str(kept.path), device="cpu"), kept.path)
+            else:
+                recording = kept
+            if self.device.type == "cuda":
+                if self._stream is None:
+                    self._stream = torch.cuda.Stream(self.device)
+                with torch.cuda.stream(self._stream):
+                    moved = _moved(recording, self.device)
+                self._stream.synchronize()  # this thread waits; the loop does not
+            else:
+                moved = _moved(recording, self.device)
+            with self._lock:
+                self.stats.loaded_bytes[tier] += kept.nbytes
+                if tier == "host":
+                    self._tiers["host"].pop(name, None)
+                elif name in self._tiers["disk"]:
+                    self._tiers["disk"].move_to_end(name)
+                self._tiers["device"][name] = moved
+                self._tiers["device"].move_to_end(name)
+                self._shed("device", keep=moved)
+            return moved
+        except OSError:  # its file went (another denoiser sharing the folder dropped it)
+            with self._lock:
+                self._tiers[tier].pop(name, None)
+            raise
         finally:
-            self.stats.load_seconds += time.perf_counter() - start
-
-    def _loaded(self, tier: str, name: str, kept) -> TemplateActivations:
-        if tier == "disk":
-            from safetensors.torch import load_file
-
-            recording = _from_file(load_file(str(kept.path), device="cpu"), kept.path)
-            self.stats.loaded_bytes["disk"] += kept.nbytes
-            self._tiers["disk"].move_to_end(name)
-        else:
-            recording = kept
-            self._tiers["host"].pop(name)
-            self.stats.loaded_bytes["host"] += kept.nbytes
-        return _moved(recording, self.device)
+            with self._lock:
+                self.stats.load_seconds += time.perf_counter() - start
+                self._loading.pop(name, None)
 
     def _write(self, name: str, recording: TemplateActivations) -> None:
         from safetensors.torch import save_file

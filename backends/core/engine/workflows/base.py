@@ -10,6 +10,7 @@ workflows/__init__.py.
 
 from __future__ import annotations
 
+from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -50,3 +51,12 @@ class Workflow(Protocol):
 
     def tokens(self, states: list[RequestState]) -> TokenLayout | None:
         """The step's token subsets (StepBatch.tokens), or None: every token of every row."""
+
+    def prefetch(self, job: DenoiseJob) -> None:
+        """The job was submitted (it may queue): start fetching what its admission will need."""
+
+    def loading(self, state: RequestState) -> Future | None:
+        """What the request waits for before its first step (the loop holds it), or None."""
+
+    def adopt(self, state: RequestState) -> None:
+        """`loading(state)` is done: take its result at this step boundary."""

@@ -16,6 +16,8 @@ steps diffusers' own scheduler (its begin index at the first step kept), never a
 from __future__ import annotations
 
 import hashlib
+import logging
+from concurrent.futures import Future
 from dataclasses import dataclass
 
 import numpy as np
@@ -28,6 +30,8 @@ from backends.core.request.params import InvalidInput
 from backends.core.runtime.host_copies import to_device
 from backends.core.runtime.token_subsets import (FULL, RECORD, REUSE, TemplateActivations, TokenLayout, TokenRow,
                                                  computed_tokens, token_share)
+
+log = logging.getLogger(__name__)
 
 UNET_CHANNELS = (4, 9)  # a base UNet (blended after each step), an inpainting UNet (mask as input)
 
@@ -44,6 +48,7 @@ class InpaintState(RequestState):
     template_key: tuple | None = None
     recording: TemplateActivations | None = None
     computed: dict[int, torch.Tensor] | None = None
+    loading: Future | None = None  # its recording on its way to the device (the loop holds it until then)
 
 
 def template_key(job: DenoiseJob, rows: int) -> tuple:
@@ -96,13 +101,34 @@ class Inpaint(Txt2Img):
                            image_latents=image_latents, noise=drawn, mask=mask, masked_latents=masked_latents)
         if edit.template is not None and m.token_subsets:
             state.template_key = template_key(job, state.rows)
-            reuse, state.recording = m.templates.take(state.template_key, state.rows)
+            reuse, recording = m.templates.take(state.template_key, state.rows)
+            if isinstance(recording, Future):
+                state.loading = recording
+            else:
+                state.recording = recording
             state.template_role = REUSE if reuse else RECORD
             state.template_use = "reused" if reuse else "recorded"
             if reuse:
                 state.computed = computed_tokens(mask, len(m.unet_config.block_out_channels))
                 state.token_share = token_share(state.computed)
         return state
+
+    def prefetch(self, job: DenoiseJob) -> None:
+        if job.edit is not None and job.edit.template is not None and self.model.token_subsets:
+            self.model.templates.prefetch(template_key(job, 2 if job.params.cfg else 1))
+
+    def loading(self, state) -> Future | None:
+        return getattr(state, "loading", None)
+
+    def adopt(self, state) -> None:
+        """Its recording's load ended: reuse it, or (it failed: a file gone) run exactly."""
+        future, state.loading = state.loading, None
+        try:
+            state.recording = future.result()
+        except Exception as exc:
+            log.warning("template recording could not be loaded (%s); request %s runs exactly", exc,
+                        state.job.request_id)
+            state.template_role, state.template_use, state.computed, state.token_share = FULL, "exact", None, 1.0
 
     def tokens(self, states) -> TokenLayout | None:
         if all(s.template_role == FULL for s in states):

@@ -126,6 +126,15 @@ class Txt2Img:
     def tokens(self, states) -> None:
         return None  # every token of every row
 
+    def prefetch(self, job) -> None:
+        pass  # nothing to fetch ahead
+
+    def loading(self, state) -> None:
+        return None  # ready at admission
+
+    def adopt(self, state) -> None:
+        pass
+
     def advance(self, states, noise, failed) -> None:
         """Guidance and the sampler step: batched when every request shares a vectorized sampler
         and one guidance, else request by request."""
