@@ -131,6 +131,8 @@ class TritonPythonModel:
                     pooled_embeds=pb_utils.get_input_tensor_by_name(request, "pooled_embeds").as_numpy(),
                     is_cancelled=lambda: is_cancelled(sender), controls=self._controls(request, params),
                     deadline=time.monotonic() + timeout_us / 1e6 if timeout_us else None, **self._edit(request, params))
+                if job.edit is not None and job.edit.template is not None:
+                    job.adapter_versions = self.denoiser.adapter_versions(params)
                 self._keyed(request, job, sender)
             except Exception as exc:
                 self.request_metrics.record(failure_kind(exc))

@@ -289,3 +289,32 @@ def test_an_edit_whose_recording_loads_is_held_while_others_step(setup, tmp_path
     assert loaded.error is None and loaded.template_use == "reused"
     assert restarted.stats.hits["disk"] == 1 and restarted.stats.wait_seconds > 0
     np.testing.assert_allclose(loaded.latents, served, atol=TOL)
+
+
+def test_a_replaced_adapter_file_keys_a_recording_anew(setup, tiny_model, tmp_path):
+    """A template's key holds its LoRAs' and ControlNets' file versions: a LoRA file replaced
+    under the same name (new content, a new inode) gives another key, so the recording made with
+    the old weights is not reused; the same files again give the same key."""
+    import shutil
+
+    from backends.core.adapters.store import AdapterStore
+    from backends.core.engine.builder import Denoiser
+    from backends.core.engine.workflows.inpaint import template_key
+    from backends.core.request.params import ControlParams, LoraParams
+
+    root = tmp_path / "adapters"
+    shutil.copytree(tiny_model / "adapters", root)
+    denoiser = Denoiser(config=None, engine=None, loop=None, store=AdapterStore(root), lora_loader=None)
+    edit = job(setup, "versions")
+    params = dataclasses.replace(edit.params, loras=(LoraParams("papercut"),), controls=(ControlParams("canny"),))
+
+    def key():
+        return template_key(dataclasses.replace(edit, params=params, adapter_versions=denoiser.adapter_versions(params)),
+                            2)
+
+    before = key()
+    assert key() == before and len(denoiser.adapter_versions(params)) == 2
+    replacement = tmp_path / "papercut.new"
+    shutil.copy(root / "loras" / "inkwash.safetensors", replacement)
+    replacement.replace(root / "loras" / "papercut.safetensors")  # as an operator updates a LoRA: aside, renamed over
+    assert key() != before

@@ -66,6 +66,15 @@ class Denoiser:
             return failed
         return self.lora_loader.submit(files, on_loaded=on_loaded)
 
+    def adapter_versions(self, params: GenerateParams) -> tuple:
+        """The request's LoRA and ControlNet files as they are now (StoreFile.stamp: inode, mtime,
+        size), for a template's key; unknown names are refused (UnknownAdapter naming the field)."""
+        if self.store is None or not (params.loras or params.controls):
+            return ()
+        files = [self.store.lora(p.name).file for p in params.loras]
+        files += [self.store.controlnet(c.name).weights_file for c in params.controls]
+        return tuple(f.stamp() if f is not None else None for f in files)
+
     def shutdown(self) -> None:
         if self.lora_loader is not None:
             self.lora_loader.shutdown()

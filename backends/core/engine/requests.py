@@ -60,6 +60,9 @@ class DenoiseJob:
     preview_every: int = 0
     workflow: str = "txt2img"  # which engine/workflows/ plug-in runs it
     edit: EditInputs | None = None  # the inpaint workflow's inputs
+    # Of a template edit: its LoRAs' and ControlNets' files as submitted ((inode, mtime, size) each,
+    # AdapterStore's StoreFile.stamp), so that a file replaced under the same name keys anew.
+    adapter_versions: tuple = ()
 
 
 @dataclass(frozen=True)

@@ -57,13 +57,14 @@ def template_key(job: DenoiseJob, rows: int) -> tuple:
     masked tokens that changes what the UNet's blocks output (the model is the engine's own): the
     size, steps, scheduler, strength and seed (the template's latents outside the mask are noised
     with the request's noise), guidance (its rows), the LoRAs and the ControlNets with their
-    images. Not the prompt: InstGenIE's premise is that unmasked tokens barely depend on it, which
-    tests/export/test_template_cache.py measures."""
+    images, and their files' versions (DenoiseJob.adapter_versions). Not the prompt: InstGenIE's
+    premise is that unmasked tokens barely depend on it, which tests/export/test_template_cache.py
+    measures."""
     p, edit = job.params, job.edit
     controls = tuple((c.name, c.scale, c.guidance_start, c.guidance_end, _digest(np.asarray(c.image)))
                      for c in job.controls)
     return (edit.template, _digest(edit.image_mean), p.width, p.height, p.steps, p.scheduler, edit.strength, p.seed,
-            rows, tuple((lora.name, lora.scale) for lora in p.loras), controls)
+            rows, tuple((lora.name, lora.scale) for lora in p.loras), controls, job.adapter_versions)
 
 
 def _digest(array: np.ndarray) -> str:
