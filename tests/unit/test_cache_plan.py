@@ -1,0 +1,35 @@
+"""backends/core/runtime/cache_plan.py: InstGenIE's Algorithm 1, with step times worked by hand."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+from backends.core.runtime.cache_plan import BlockCost, plan_cache_use
+
+
+def test_free_loads_take_every_block_from_the_cache():
+    plan = plan_cache_use([BlockCost(1.0, 4.0, 0.0)] * 3)
+    assert plan.use == (True, True, True) and plan.latency_s == 3.0 and plan.loaded_s == 0.0
+
+
+def test_loads_slower_than_the_saving_are_not_taken():
+    plan = plan_cache_use([BlockCost(1.0, 2.0, 10.0)] * 3)  # (a load of 5 would hide behind blocks 0-1)
+    assert plan.use == (False, False, False) and plan.latency_s == 6.0 and plan.loaded_s == 0.0
+
+
+def test_a_slow_load_is_hidden_behind_blocks_computed_whole():
+    """Block 0: loading it (3) then computing with it (1) ends at 4, whole at 2: whole. Block 1:
+    its load starts at 0 beside block 0 and ends at 3, the block at 4; whole it would end at 4: cache.
+    Block 2: its load ends at 6, the block at 7; whole it ends at 6: whole."""
+    plan = plan_cache_use([BlockCost(1.0, 2.0, 3.0), BlockCost(1.0, 2.0, 3.0), BlockCost(1.0, 2.0, 3.0)])
+    assert plan.use == (False, True, False)
+    assert plan.latency_s == pytest.approx(6.0) and plan.loaded_s == pytest.approx(3.0)
+
+
+def test_the_plan_is_never_slower_than_computing_every_block_whole():
+    costs = [BlockCost(w, wo, ld) for w, wo, ld in itertools.product((0.2, 1.0), (1.0, 3.0), (0.0, 0.5, 2.0, 6.0))]
+    for window in range(len(costs) - 4):
+        blocks = costs[window:window + 5]
+        assert plan_cache_use(blocks).latency_s <= sum(c.without_cache_s for c in blocks) + 1e-12
