@@ -62,7 +62,7 @@ class TorchDenoiser:
         self.schedulers = SchedulerPrototypes(_load_scheduler(folder / "scheduler"), self.device)
         self.templates = templates if templates is not None else TemplateCache(self.device)
         model = Model(self.device, self.dtype, self.unet.config, vae_scale_factor, self.schedulers, self.controls,
-                      self.templates, token_subsets=self.runtime.caps.token_subsets)
+                      self.templates, token_subsets=self.runtime.caps.token_subsets, adopt=self._adopt)
         self.workflows = {name: cls(model) for name, cls in WORKFLOWS.items()}
         # Times the halves and the sampler of the loop's steps (events on our stream on a GPU).
         self.clock = StepClock(self.stream)

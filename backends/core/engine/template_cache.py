@@ -127,6 +127,9 @@ class TemplateCache:
         """Its edit ran every step: later edits may reuse it. Its file is written (with a disk
         tier), and each tier sheds its least recently used recordings past its budget."""
         name = _key_text(key)
+        if self.device.type == "cuda":  # (the loop's thread: its current stream is the engine's)
+            recording.written = torch.cuda.Event()
+            recording.written.record()
         with self._lock:
             recording.complete = True
             if self.folder is not None:
@@ -246,6 +249,9 @@ def _key_text(key: tuple) -> str:
 
 
 def _moved(recording: TemplateActivations, device: torch.device, pin: bool = False) -> TemplateActivations:
+    if recording.written is not None:
+        recording.written.synchronize()  # its last steps may still be queued on the engine's stream
+
     def move(t):
         t = t.to(device, non_blocking=device.type == "cuda")
         return t.pin_memory() if pin else t

@@ -44,6 +44,9 @@ class TemplateActivations:
     rows: int
     outputs: dict[tuple[int, int], torch.Tensor] = field(default_factory=dict)  # (step, block) -> [rows, L, C]
     complete: bool = False
+    # On a GPU: an event after its last write on the engine's stream, which a copy made on another
+    # thread's stream (the cache moving it between tiers) waits for.
+    written: torch.cuda.Event | None = None
 
     def put(self, step: int, block: int, row: int, output: torch.Tensor) -> None:
         kept = self.outputs.get((step, block))

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any, Callable, Iterable, Protocol
 
 import torch
 
@@ -35,6 +35,8 @@ class Model:
     controls: ControlNetSteps
     templates: TemplateCache  # templates' recorded activations (runtime/token_subsets.py)
     token_subsets: bool = False  # the runtime computes subsets of tokens (RuntimeCaps.token_subsets)
+    # Tensors made on another thread's stream (a recording's load) and read on the engine's from now on
+    adopt: Callable[[Iterable[torch.Tensor]], None] = lambda tensors: None
 
 
 class Workflow(Protocol):

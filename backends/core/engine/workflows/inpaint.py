@@ -126,6 +126,7 @@ class Inpaint(Txt2Img):
         future, state.loading = state.loading, None
         try:
             state.recording = future.result()
+            self.model.adopt(state.recording.outputs.values())  # (copied on the cache's stream)
         except Exception as exc:
             log.warning("template recording could not be loaded (%s); request %s runs exactly", exc,
                         state.job.request_id)
