@@ -13,7 +13,8 @@ outside the mask are noised with the request's noise), prompts that differ per r
 - diffusers' StableDiffusionXLInpaintPipeline on the same weights, eager and with its UNet
   compiled: latency per mask ratio, and one call batching c edits per concurrency level.
 
-Written into `<out>/edits.json` beside the other configurations' results. Random weights: the
+Written into `<out>/edits.json`, `edits.md` and the plots `edits_latency.png`, `edits_load.png` beside
+the other configurations' results. Random weights: the
 figures say what reuse costs and how far it moves an image, not how good pictures look.
 """
 
@@ -81,17 +82,28 @@ def compare(got: np.ndarray, want: np.ndarray, mask: np.ndarray) -> dict:
             "masked_psnr": psnr(got[box], want[box]), "masked_ssim": ssim(got[box], want[box])}
 
 
-def record(client, setup, template: bytes, steps: int) -> float:
-    """The template's recording at `steps` (a recording is kept per step count), then one reusing
-    edit untimed (the first run of the reusing path); the recording's seconds."""
-    files = dict(steps=steps, width=setup.size, height=setup.size, seed=SEED, strength=1.0, image=template,
-                 mask_image=_png(centered_mask(setup.size, 0.2)), template=TEMPLATE, **SAMPLING)
+def record(url: str, setup, template: bytes, steps: int, denoisers: int) -> float:
+    """The template's recording at `steps` (one is kept per step count) on every denoiser, then
+    reusing edits to each (the reusing path's first runs; each denoiser prices such steps,
+    engine/step_cost.py). Returns the first recording's seconds."""
+    from clients.client import EaselClient
+
+    def edit(prompt: str, ratio: float) -> str | None:
+        with EaselClient(url, protocol="grpc") as client:
+            return client.generate(prompt, steps=steps, width=setup.size, height=setup.size, seed=SEED, strength=1.0,
+                                   image=template, template=TEMPLATE, mask_image=_png(centered_mask(setup.size, ratio)),
+                                   **SAMPLING).info.get("template_use")
+
     start = time.perf_counter()
-    use = client.generate("the recording", **files).info.get("template_use")
+    use = edit("the recording", 0.2)
     seconds = time.perf_counter() - start
-    again = client.generate("a first reuse", **files).info.get("template_use")
-    if (use, again) != ("recorded", "reused"):
-        raise RuntimeError(f"the template was {use}, then {again}: not recorded and reused (is its cache too small?)")
+    if use != "recorded":
+        raise RuntimeError(f"the template's first edit was {use}, not recorded")
+    with ThreadPoolExecutor(max_workers=2 * denoisers) as pool:  # the router spreads equal requests at once
+        list(pool.map(edit, [f"spread {i}" for i in range(denoisers)], [0.2] * denoisers))
+        uses = list(pool.map(edit, [f"warm {i}" for i in range(2 * denoisers)], [0.05, 0.5] * denoisers))
+    if set(uses) != {"reused"}:
+        raise RuntimeError(f"edits of a recorded template were {uses} (is its cache too small?)")
     return seconds
 
 
@@ -258,23 +270,6 @@ def open_loop(url: str, setup, template: bytes, rate: float, count: int, seed: i
     return out
 
 
-def record_everywhere(url: str, setup, template: bytes, denoisers: int) -> None:
-    """The template recorded on every denoiser (as many recordings at once as there are
-    denoisers: the router spreads equal requests), then reusing edits to each so that every
-    denoiser has priced its steps (engine/step_cost.py)."""
-    from clients.client import EaselClient
-
-    def edit(i: int, ratio: float):
-        with EaselClient(url, protocol="grpc") as client:
-            return client.generate(f"warm {i}", steps=setup.throughput_steps, width=setup.size, height=setup.size,
-                                   seed=SEED, strength=1.0, image=template, template=TEMPLATE,
-                                   mask_image=_png(centered_mask(setup.size, ratio)), **SAMPLING).info
-    with ThreadPoolExecutor(max_workers=2 * denoisers) as pool:
-        list(pool.map(edit, range(denoisers), [0.2] * denoisers))
-        for _ in range(2):
-            list(pool.map(edit, range(2 * denoisers), [0.05, 0.5] * denoisers))
-
-
 @contextlib.contextmanager
 def serving(setup, model: Path, routing: str, denoisers: int):
     """A repository of `model` with a template cache and `routing` (easel export --routing),
@@ -303,6 +298,89 @@ def serving(setup, model: Path, routing: str, denoisers: int):
         server.stop()
 
 
+def _fmt(value, unit: str = "s", digits: int = 3) -> str:
+    return "n/a" if value is None else f"{value:.{digits}f}{unit}"
+
+
+def markdown(results: dict) -> str:
+    """edits.json as Markdown tables (edits.md)."""
+    eager, compiled = results.get("diffusers_eager") or {}, results.get("diffusers_compiled") or {}
+    lines = [f"# Template edits ({results['device']}, gpus {results['gpus']}, {results['runtime']}; "
+             f"{results['size']} px, {results['steps']} steps, seed {results['seed']})", "",
+             "Random weights: the figures say what reusing a recording costs and how far it moves an image.", "",
+             "## Latency per mask ratio (p50)", "",
+             "| mask | exact | reusing | speed-up | PSNR (masked) | diffusers eager | diffusers compiled |",
+             "| --- | --- | --- | --- | --- | --- | --- |"]
+    for ratio, row in results["latency"].items():
+        lines.append(f"| {row['mask_ratio']:.2f} | {_fmt(row.get('exact_p50_s'))} | {_fmt(row.get('reuse_p50_s'))} | "
+                     f"{_fmt(row.get('speedup'), 'x', 2)} | {_fmt(row.get('psnr_median'), ' dB', 2)} "
+                     f"({_fmt(row.get('masked_psnr_median'), ' dB', 2)}) | "
+                     f"{_fmt(eager.get('latency', {}).get(ratio, {}).get('p50_s'))} | "
+                     f"{_fmt(compiled.get('latency', {}).get(ratio, {}).get('p50_s'))} |")
+    lines += ["", f"## Throughput ({results['throughput_steps']} steps, masks around a mean of {TRACE_MEAN_RATIO})", "",
+              "| concurrency | exact | reusing | speed-up | diffusers eager (one batch) | diffusers compiled |",
+              "| --- | --- | --- | --- | --- | --- |"]
+    for c, row in results["throughput"].items():
+        lines.append(f"| {c} | {_fmt(row['exact']['img_s'], ' img/s')} | {_fmt(row['reuse']['img_s'], ' img/s')} | "
+                     f"{_fmt(row['speedup'], 'x', 2)} | "
+                     f"{_fmt(eager.get('throughput', {}).get(c, {}).get('img_s'), ' img/s')} | "
+                     f"{_fmt(compiled.get('throughput', {}).get(c, {}).get('img_s'), ' img/s')} |")
+    if results.get("load"):
+        lines += ["", "## Open-loop load (reusing edits, Poisson arrivals)", "",
+                  "| edits/s | routing | p50 | p95 | mean |", "| --- | --- | --- | --- | --- |"]
+        for routing, rates in results["load"].items():
+            for rate, row in rates.items():
+                lines.append(f"| {rate} | {routing} | {_fmt(row['p50_s'])} | {_fmt(row['p95_s'])} | {_fmt(row['mean_s'])} |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(path: Path) -> list[Path]:
+    """edits_latency.png (p50 per mask ratio, each system) and, with a load run, edits_load.png (p95 per rate)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    results = json.loads(path.read_text())
+    ratios = list(results["latency"])
+    x = [results["latency"][r]["mask_ratio"] for r in ratios]
+    fig, ax = plt.subplots(figsize=(6, 4))
+    ax.plot(x, [results["latency"][r]["exact_p50_s"] for r in ratios], "o-", label="Easel exact")
+    ax.plot(x, [results["latency"][r]["reuse_p50_s"] for r in ratios], "o-", label="Easel reusing")
+    for system in ("diffusers_eager", "diffusers_compiled"):
+        if results.get(system):
+            ax.plot(x, [results[system]["latency"][r]["p50_s"] for r in ratios], "o--", label=system.replace("_", " "))
+    ax.set(xlabel="mask ratio", ylabel="p50 latency (s)", title=f"Template edits, {results['size']} px")
+    ax.set_ylim(bottom=0)
+    ax.legend()
+    written = [path.parent / "edits_latency.png"]
+    fig.savefig(written[0], dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    if results.get("load"):
+        fig, ax = plt.subplots(figsize=(6, 4))
+        for routing, rates in results["load"].items():
+            ax.plot([float(r) for r in rates], [row["p95_s"] for row in rates.values()], "o-", label=f"{routing} routing")
+        ax.set(xlabel="edits per second", ylabel="p95 latency (s)", title="Open-loop load")
+        ax.set_ylim(bottom=0)
+        ax.legend()
+        written.append(path.parent / "edits_load.png")
+        fig.savefig(written[1], dpi=120, bbox_inches="tight")
+        plt.close(fig)
+    return written
+
+
+def write_report(results: dict, out_dir: Path, final: bool = False) -> None:
+    """edits.json and edits.md as far as measured; the final write also draws the plots."""
+    path = out_dir / "edits.json"
+    path.write_text(json.dumps(results, indent=1))
+    (out_dir / "edits.md").write_text(markdown(results))
+    if final:
+        try:
+            plot(path)
+        except ImportError as exc:  # the GPU image may lack matplotlib: --replot elsewhere
+            log.warning("no plots (%s); rerun with --replot %s where matplotlib is installed", exc, out_dir)
+
+
 def run_edits(setup, out_dir: Path, skip: set[str] = frozenset(), load_rates: tuple[float, ...] = (),
               load_requests: int = 40) -> dict:
     """Measures what the module's docstring says into `out_dir`/edits.json. With `load_rates`, the
@@ -321,10 +399,9 @@ def run_edits(setup, out_dir: Path, skip: set[str] = frozenset(), load_rates: tu
                "runs": setup.runs, "device": setup.device, "gpus": list(setup.gpus), "runtime": setup.resolved_runtime,
                "seed": SEED, "latency": {}, "throughput": {}, "load": {}}
     out_dir.mkdir(parents=True, exist_ok=True)
-    path = out_dir / "edits.json"
 
     def save():
-        path.write_text(json.dumps(results, indent=1))
+        write_report(results, out_dir)
 
     for routing in ("seconds", "work") if load_rates else ("seconds",):
         with serving(setup, model, routing, denoisers) as (server, start_s):
@@ -333,17 +410,18 @@ def run_edits(setup, out_dir: Path, skip: set[str] = frozenset(), load_rates: tu
                 with EaselClient(server.url_grpc, protocol="grpc") as client:
                     client.generate("warm up", steps=2, width=setup.size, height=setup.size, seed=0, strength=1.0,
                                     image=template, mask_image=_png(centered_mask(setup.size, 0.2)), **SAMPLING)
-                    results["record_s"] = record(client, setup, template, setup.steps)
+                    results["record_s"] = record(server.url_grpc, setup, template, setup.steps, denoisers)
                     latency(client, setup, template, results["latency"])
                 save()
                 if setup.throughput_steps != setup.steps:
-                    with EaselClient(server.url_grpc, protocol="grpc") as client:
-                        results["throughput_record_s"] = record(client, setup, template, setup.throughput_steps)
+                    results["throughput_record_s"] = record(server.url_grpc, setup, template, setup.throughput_steps,
+                                                            denoisers)
                 for c in setup.concurrency:
                     results["throughput"][str(c)] = throughput(server.url_grpc, setup, template, c)
                     save()
             if load_rates:
-                record_everywhere(server.url_grpc, setup, template, denoisers)
+                if routing != "seconds":  # (the first server recorded at these steps above)
+                    record(server.url_grpc, setup, template, setup.throughput_steps, denoisers)
                 results["load"][routing] = {str(rate): open_loop(server.url_grpc, setup, template, rate, load_requests,
                                                                  seed=k) for k, rate in enumerate(load_rates)}
                 save()
@@ -351,4 +429,5 @@ def run_edits(setup, out_dir: Path, skip: set[str] = frozenset(), load_rates: tu
         if system not in skip:
             results[system] = diffusers_edits(setup, model, template_pixels, compiled)
             save()
+    write_report(results, out_dir, final=True)
     return results

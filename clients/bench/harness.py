@@ -558,10 +558,17 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     start_logging()
     if args.replot is not None:
-        results = json.loads((args.replot / "results.json").read_text())
-        (args.replot / "results.md").write_text(markdown(results))
-        for path in plot(args.replot / "results.json"):
-            log.info("wrote %s", path)
+        if (args.replot / "edits.json").is_file():
+            from clients.bench import edits
+
+            (args.replot / "edits.md").write_text(edits.markdown(json.loads((args.replot / "edits.json").read_text())))
+            for path in edits.plot(args.replot / "edits.json"):
+                log.info("wrote %s", path)
+        if (args.replot / "results.json").is_file():
+            results = json.loads((args.replot / "results.json").read_text())
+            (args.replot / "results.md").write_text(markdown(results))
+            for path in plot(args.replot / "results.json"):
+                log.info("wrote %s", path)
         return 0
     setups = resolve_all(args)
     setup = setups[0]

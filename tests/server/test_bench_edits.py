@@ -36,3 +36,6 @@ def test_the_edit_benchmark_measures_every_mask_ratio_and_concurrency(tmp_path):
     diffusers = results["diffusers_eager"]  # the same edits through StableDiffusionXLInpaintPipeline
     assert set(diffusers["latency"]) == {str(r) for r in RATIOS} and diffusers["throughput"]["2"]["img_s"] > 0
     assert "diffusers_compiled" not in results  # --cpu-smoke: no torch.compile
+    table = (out / "edits.md").read_text()
+    assert "| 0.25 |" in table and "| 8.0 | work |" in table  # the 20% mask at 64 px; a load row
+    assert (out / "edits_latency.png").stat().st_size > 0 and (out / "edits_load.png").stat().st_size > 0
