@@ -129,7 +129,7 @@ class TemplateCache:
         name = _key_text(key)
         if self.device.type == "cuda":  # (the loop's thread: its current stream is the engine's)
             recording.written = torch.cuda.Event()
-            recording.written.record()
+            recording.written.record(torch.cuda.current_stream(self.device))
         with self._lock:
             recording.complete = True
             if self.folder is not None:
