@@ -120,7 +120,8 @@ class BlsPipeline:
         names = [n.strip() for n in params["denoisers"].split(",") if n.strip()]
         if not names:
             raise ValueError("parameter denoisers names no model")
-        self.router = LeastLoaded(names, LoadReader(), params.get("routing", "seconds"))  # each denoiser batches what it gets
+        # each denoiser batches what it gets
+        self.router = LeastLoaded(names, LoadReader(), params.get("routing", "seconds"))
         if self.progress:
             remove_orphan_previews()
         self.max_in_flight = int(params.get("max_in_flight", "16"))

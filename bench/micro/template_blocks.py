@@ -52,7 +52,8 @@ def main() -> None:
     from diffusers.models.attention import BasicTransformerBlock
 
     from backends.core.runtime.cache_plan import BlockCost, plan_cache_use
-    from backends.core.runtime.token_subsets import REUSE, TemplateActivations, TokenRow, _masked, computed_tokens, install
+    from backends.core.runtime.token_subsets import (REUSE, TemplateActivations, TokenRow, _masked, computed_tokens,
+                                                     install)
     from bench.micro.runtime_micro import gpu_ms
 
     cuda = args.device != "cpu"
@@ -86,9 +87,9 @@ def main() -> None:
             record = TemplateActivations(args.rows)
             for r in range(args.rows):
                 record.put(0, block._subset_index, r, x[r])
+            whole = timed_ms(lambda: BasicTransformerBlock.forward(block, x, encoder_hidden_states=text))
             entry = {"index": block._subset_index, "level": level, "tokens": tokens, "width": width,
-                     "without_ms": timed_ms(lambda: BasicTransformerBlock.forward(block, x, encoder_hidden_states=text)),
-                     "with_ms": {}, "record_bytes": record.nbytes}
+                     "without_ms": whole, "with_ms": {}, "record_bytes": record.nbytes}
             for ratio in RATIOS:
                 mask = torch.from_numpy(centered_mask(latent, ratio) / 255.0).to(args.device)[None, None]
                 computed = computed_tokens(mask, len(unet.config.block_out_channels))

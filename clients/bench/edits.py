@@ -123,8 +123,9 @@ def latency(client, setup, template: bytes, out: dict) -> None:
             start = time.perf_counter()
             result = client.generate(f"an edit {i}", template=TEMPLATE, **files)
             row["reuse_s"].append(time.perf_counter() - start)
-            if result.info.get("template_use") != "reused":
-                raise RuntimeError(f"mask {ratio}: an edit of a recorded template was {result.info.get('template_use')}")
+            use = result.info.get("template_use")
+            if use != "reused":
+                raise RuntimeError(f"mask {ratio}: an edit of a recorded template was {use}")
             reused.append(_pixels(result))
             row["quality"].append(compare(reused[-1], exact[i], mask))
         row["exact_p50_s"], row["reuse_p50_s"] = float(np.median(row["exact_s"])), float(np.median(row["reuse_s"]))
@@ -330,7 +331,8 @@ def markdown(results: dict) -> str:
                   "| edits/s | routing | p50 | p95 | mean |", "| --- | --- | --- | --- | --- |"]
         for routing, rates in results["load"].items():
             for rate, row in rates.items():
-                lines.append(f"| {rate} | {routing} | {_fmt(row['p50_s'])} | {_fmt(row['p95_s'])} | {_fmt(row['mean_s'])} |")
+                lines.append(f"| {rate} | {routing} | {_fmt(row['p50_s'])} | {_fmt(row['p95_s'])} | "
+                             f"{_fmt(row['mean_s'])} |")
     return "\n".join(lines) + "\n"
 
 
@@ -359,7 +361,8 @@ def plot(path: Path) -> list[Path]:
     if results.get("load"):
         fig, ax = plt.subplots(figsize=(6, 4))
         for routing, rates in results["load"].items():
-            ax.plot([float(r) for r in rates], [row["p95_s"] for row in rates.values()], "o-", label=f"{routing} routing")
+            ax.plot([float(r) for r in rates], [row["p95_s"] for row in rates.values()], "o-",
+                    label=f"{routing} routing")
         ax.set(xlabel="edits per second", ylabel="p95 latency (s)", title="Open-loop load")
         ax.set_ylim(bottom=0)
         ax.legend()

@@ -98,7 +98,8 @@ class StepClock:
         self._open = False
         self._times = [0.0] * MARKS
         self._events: list | None = None  # the open step's events (GPU)
-        self._pending: deque = deque()  # (events, rows, arrivals, units, token_units) of steps the GPU may not have finished
+        # (events, rows, arrivals, units, token_units) of steps the GPU may not have finished
+        self._pending: deque = deque()
         self._free: list[list] = []  # event sets to reuse: a step allocates none once the loop is warm
         self._anchor = None
         self._anchor_host = 0.0

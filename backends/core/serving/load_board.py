@@ -24,6 +24,7 @@ import struct
 import threading
 from dataclasses import dataclass
 
+from backends.core.engine.step_cost import StepCostModel
 from backends.core.serving.shm_files import SHM_DIR, remove_orphans, server_file, unlink
 
 PREFIX = "easel-load-"
@@ -43,9 +44,7 @@ class Load:
     def price(self, work: float, token_work: float) -> float | None:
         """Predicted seconds of a new request of `work` row-steps (`token_work`: the same weighted
         by its share of block tokens computed) on this denoiser; None before it measured a step."""
-        if self.row_step_s is None:
-            return None
-        return self.row_step_s * (self.dense * work + (1.0 - self.dense) * token_work)
+        return StepCostModel(self.row_step_s, self.dense).seconds(work, token_work)
 
     def _values(self) -> tuple[float, ...]:
         nan = math.nan
