@@ -9,6 +9,7 @@ step from pinned host memory to the device (the load). Then the plan per mask ra
 that take the cache, the blocks' predicted time against computing them all whole and against the
 recording already on the device (no loads). GPU times are CUDA events (median of --iters); on the
 CPU, clock times of the tiny model (no loads: the recording is where the compute is).
+`--write-profile` puts the times (per row) where a denoiser reads them (runtime/cache_plan.py).
 
     python3 -m bench.micro.template_blocks --work /tmp/easel-tb --out tb.json                 # tiny, CPU
     python3 -m bench.micro.template_blocks --work /tmp/x --model M --device cuda --size 1024
@@ -43,6 +44,9 @@ def main() -> None:
     p.add_argument("--device", default="cpu")
     p.add_argument("--rows", type=int, default=2, help="UNet rows (2: one guided request)")
     p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--write-profile", type=Path, metavar="FOLDER",
+                   help="also write the times as a denoiser's template_blocks.json into FOLDER (<repo>/<denoiser>/1): "
+                        "its reusing edits at --size then take only the blocks where that pays")
     args = p.parse_args()
     start_logging()
 
@@ -51,7 +55,7 @@ def main() -> None:
     from diffusers import UNet2DConditionModel
     from diffusers.models.attention import BasicTransformerBlock
 
-    from backends.core.runtime.cache_plan import BlockCost, plan_cache_use
+    from backends.core.runtime.cache_plan import BlockCost, BlockProfile, ProfiledBlock, plan_cache_use
     from backends.core.runtime.token_subsets import (REUSE, TemplateActivations, TokenRow, _masked, computed_tokens,
                                                      install)
     from bench.micro.runtime_micro import gpu_ms
@@ -121,6 +125,14 @@ def main() -> None:
         log.info("mask %.2f: %d of %d blocks from the cache; blocks %.2f ms planned, %.2f whole, %.2f with the "
                  "recording on the device (loads %.2f ms)", ratio, plan.used, len(costs), plan.latency_s, whole,
                  resident, plan.loaded_s)
+    if args.write_profile:
+        def per_row_s(ms: float) -> float:
+            return ms / 1e3 / args.rows
+
+        per_row = [ProfiledBlock(e["index"], per_row_s(e["without_ms"]),
+                                 tuple(per_row_s(e["with_ms"][str(r)]) for r in RATIOS), per_row_s(e["load_ms"]))
+                   for e in rows_out]
+        log.info("wrote %s", BlockProfile(args.size, RATIOS, tuple(per_row)).write(args.write_profile))
     bytes_per_step = sum(e["record_bytes"] for e in rows_out)
     log.info("a step's recording: %.1f MB for %d rows", bytes_per_step / 1e6, args.rows)
     write_json(args.out, {"model": str(model), "device": args.device, "size": args.size, "rows": args.rows,

@@ -309,8 +309,8 @@ def test_a_replaced_adapter_file_keys_a_recording_anew(setup, tiny_model, tmp_pa
     params = dataclasses.replace(edit.params, loras=(LoraParams("papercut"),), controls=(ControlParams("canny"),))
 
     def key():
-        return template_key(dataclasses.replace(edit, params=params, adapter_versions=denoiser.adapter_versions(params)),
-                            2)
+        versions = denoiser.adapter_versions(params)
+        return template_key(dataclasses.replace(edit, params=params, adapter_versions=versions), 2)
 
     before = key()
     assert key() == before and len(denoiser.adapter_versions(params)) == 2
@@ -318,3 +318,37 @@ def test_a_replaced_adapter_file_keys_a_recording_anew(setup, tiny_model, tmp_pa
     shutil.copy(root / "loras" / "inkwash.safetensors", replacement)
     replacement.replace(root / "loras" / "papercut.safetensors")  # as an operator updates a LoRA: aside, renamed over
     assert key() != before
+
+
+def test_a_profile_leaves_whole_the_blocks_where_reuse_does_not_pay(setup, tmp_path):
+    """With a measured profile (runtime/cache_plan.py) in which no block's masked run is faster,
+    a reusing edit runs every block whole: its latents are its own exact edit's and every token
+    counts as computed; with one in which every block's is faster, it reuses as without a profile."""
+    import shutil
+
+    from backends.core.engine.denoiser import TorchDenoiser
+    from backends.core.runtime.cache_plan import BlockProfile, ProfiledBlock
+    from backends.core.runtime.placement import Placement
+
+    from diffusers.models.attention import BasicTransformerBlock
+
+    exact, cached, *_ = setup
+    count = sum(isinstance(m, BasicTransformerBlock) for m in cached.unet.modules())  # (install's indices)
+    outcomes = {}
+    for name, with_s in (("slower", 2.0), ("faster", 0.5)):
+        folder = tmp_path / name
+        shutil.copytree(cached.folder, folder)
+        BlockProfile(SIZE, (0.1, 0.5), tuple(ProfiledBlock(i, 1.0, (with_s, with_s), 0.0) for i in range(count))
+                     ).write(folder)
+        engine = TorchDenoiser(folder, Placement())
+        latents(engine, job(setup, f"record-{name}", seed=41))
+        before = (engine.runtime.subsets.computed_tokens, engine.runtime.subsets.all_tokens)
+        outcomes[name] = latents(engine, job(setup, f"reuse-{name}", seed=41, prompt="a green door"))
+        computed = engine.runtime.subsets.computed_tokens - before[0]
+        whole = engine.runtime.subsets.all_tokens - before[1]
+        assert (computed == whole) == (name == "slower"), (name, computed, whole)
+    want = latents(exact, dataclasses.replace(job(setup, "exact-green", seed=41, prompt="a green door"),
+                                              edit=dataclasses.replace(job(setup, "e", seed=41).edit, template=None)))
+    assert np.abs(outcomes["slower"] - want).max() <= TOL
+    assert np.abs(outcomes["faster"] - want).max() > TOL  # approximate: it reused
+

@@ -6,7 +6,7 @@ import itertools
 
 import pytest
 
-from backends.core.runtime.cache_plan import BlockCost, plan_cache_use
+from backends.core.runtime.cache_plan import PROFILE_FILE, BlockCost, BlockProfile, ProfiledBlock, plan_cache_use
 
 
 def test_free_loads_take_every_block_from_the_cache():
@@ -33,3 +33,18 @@ def test_the_plan_is_never_slower_than_computing_every_block_whole():
     for window in range(len(costs) - 4):
         blocks = costs[window:window + 5]
         assert plan_cache_use(blocks).latency_s <= sum(c.without_cache_s for c in blocks) + 1e-12
+
+
+def test_a_profile_prices_rows_interpolates_ratios_and_round_trips(tmp_path):
+    profile = BlockProfile(1024, (0.1, 0.5), (ProfiledBlock(7, 2.0, (0.5, 1.5), 1.0),
+                                              ProfiledBlock(3, 1.0, (2.0, 2.0), 0.0)))
+    (first, second) = profile.costs(0.3, rows=2, resident=False)
+    assert first == BlockCost(2 * 1.0, 2 * 2.0, 2 * 1.0)  # halfway between 0.5 and 1.5, per row
+    assert profile.costs(0.05, 1, True)[0] == BlockCost(0.5, 2.0, 0.0)  # below the first ratio: held flat
+    assert second.with_cache_s > second.without_cache_s
+    assert profile.plan(0.3, rows=2, resident=True) == frozenset({7})  # block 3's masked run is slower
+    profile.write(tmp_path)
+    assert BlockProfile.read(tmp_path) == profile and BlockProfile.read(tmp_path / "none") is None
+    (tmp_path / PROFILE_FILE).write_text('{"size": 64, "ratios": [0.5, 0.1], "blocks": []}')
+    with pytest.raises(ValueError, match="ratios must be sorted"):
+        BlockProfile.read(tmp_path)

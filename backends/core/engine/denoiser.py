@@ -22,6 +22,7 @@ from backends.core.engine.controls import ControlNetSteps
 from backends.core.engine.diffusers_schedulers import SchedulerPrototypes
 from backends.core.engine.lora_policy import LoraPolicy
 from backends.core.engine.template_cache import TemplateCache
+from backends.core.runtime.cache_plan import BlockProfile
 from backends.core.runtime.token_subsets import TokenLayout
 from backends.core.engine.requests import DenoiseJob, LatentSnapshot, RequestState
 from backends.core.engine.step_stats import DECODED, DECODER, ENCODED, ENCODER, SAMPLED, SAMPLER, StepClock
@@ -62,7 +63,8 @@ class TorchDenoiser:
         self.schedulers = SchedulerPrototypes(_load_scheduler(folder / "scheduler"), self.device)
         self.templates = templates if templates is not None else TemplateCache(self.device)
         model = Model(self.device, self.dtype, self.unet.config, vae_scale_factor, self.schedulers, self.controls,
-                      self.templates, token_subsets=self.runtime.caps.token_subsets, adopt=self._adopt)
+                      self.templates, token_subsets=self.runtime.caps.token_subsets, adopt=self._adopt,
+                      block_profile=BlockProfile.read(folder))
         self.workflows = {name: cls(model) for name, cls in WORKFLOWS.items()}
         # Times the halves and the sampler of the loop's steps (events on our stream on a GPU).
         self.clock = StepClock(self.stream)

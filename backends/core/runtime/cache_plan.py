@@ -9,13 +9,22 @@ finishing the block with it (after the later of its load's end and the previous 
 no later than finishing it whole; else compute it whole and load nothing for it. The compute
 never waits longer than computing whole would have taken, so loading adds no bubble.
 
-Pure and torch-free: the times come from measurements (bench/micro/template_blocks.py).
+The times come from a measured profile (`BlockProfile`, written into a denoiser's folder as
+`template_blocks.json` by bench/micro/template_blocks.py): each block's time on every token, on a
+mask's tokens at several mask ratios (interpolated between them), and the seconds a row of its
+recorded output takes to load. A recording already on the device loads in no time; the plan then
+still leaves whole the blocks whose masked run is not faster (small token grids, where gathering
+the tokens costs more than it saves). Pure and torch-free.
 """
 
 from __future__ import annotations
 
+import json
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Sequence
+
+PROFILE_FILE = "template_blocks.json"
 
 
 @dataclass(frozen=True)
@@ -50,3 +59,62 @@ def plan_cache_use(costs: Sequence[BlockCost]) -> CachePlan:
             comp += cost.without_cache_s
             use.append(False)
     return CachePlan(tuple(use), comp, load)
+
+
+@dataclass(frozen=True)
+class ProfiledBlock:
+    index: int  # the block's index among the UNet's transformer blocks (runtime/token_subsets.install)
+    without_s: float  # on every token, one row
+    with_s: tuple[float, ...]  # on a mask's tokens at each of the profile's ratios, one row
+    load_s: float  # one row of its recorded output, host to device
+
+
+@dataclass(frozen=True)
+class BlockProfile:
+    """Measured block times at one image size, the blocks in the order a step runs them."""
+
+    size: int
+    ratios: tuple[float, ...]
+    blocks: tuple[ProfiledBlock, ...]
+
+    def costs(self, share: float, rows: int, resident: bool) -> list[BlockCost]:
+        """The blocks' costs for `rows` reusing rows whose largest share of tokens computed is
+        `share`; `resident`: their recordings are on the device already (no loads)."""
+        return [BlockCost(rows * _interpolate(self.ratios, b.with_s, share), rows * b.without_s,
+                          0.0 if resident else rows * b.load_s) for b in self.blocks]
+
+    def plan(self, share: float, rows: int, resident: bool) -> frozenset[int]:
+        """The indices of the blocks that take the recording (Algorithm 1 on these costs)."""
+        use = plan_cache_use(self.costs(share, rows, resident)).use
+        return frozenset(b.index for b, used in zip(self.blocks, use) if used)
+
+    def write(self, folder: str | Path) -> Path:
+        path = Path(folder) / PROFILE_FILE
+        path.write_text(json.dumps({"size": self.size, "ratios": list(self.ratios), "blocks": [
+            {"index": b.index, "without_s": b.without_s, "with_s": list(b.with_s), "load_s": b.load_s}
+            for b in self.blocks]}, indent=1))
+        return path
+
+    @classmethod
+    def read(cls, folder: str | Path) -> "BlockProfile | None":
+        """The folder's profile, or None where it has none."""
+        path = Path(folder) / PROFILE_FILE
+        if not path.is_file():
+            return None
+        data = json.loads(path.read_text())
+        ratios = tuple(float(r) for r in data["ratios"])
+        blocks = tuple(ProfiledBlock(int(b["index"]), float(b["without_s"]), tuple(float(t) for t in b["with_s"]),
+                                     float(b["load_s"])) for b in data["blocks"])
+        if not ratios or list(ratios) != sorted(ratios) or any(len(b.with_s) != len(ratios) for b in blocks):
+            raise ValueError(f"{path}: ratios must be sorted and every block timed at each of them")
+        return cls(int(data["size"]), ratios, blocks)
+
+
+def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
+    """Piecewise linear through (xs, ys), held flat beyond the ends."""
+    if x <= xs[0]:
+        return ys[0]
+    for (x0, y0), (x1, y1) in zip(zip(xs, ys), zip(xs[1:], ys[1:])):
+        if x <= x1:
+            return y0 + (y1 - y0) * (x - x0) / (x1 - x0)
+    return ys[-1]

@@ -79,11 +79,14 @@ class TokenLayout:
     """The rows of a step, in batch order (StepBatch.tokens)."""
 
     rows: tuple[TokenRow, ...]
+    # The blocks (their install index) in which REUSE rows take the recording; in the others they
+    # run whole, exactly. None: every block (runtime/cache_plan.py decides).
+    cached: frozenset[int] | None = None
 
     def whole(self) -> "TokenLayout":
         """Every row run whole, RECORD rows still recording: for a step that cannot split its rows
         (unmerged LoRA terms are added by row ranges)."""
-        return TokenLayout(tuple(TokenRow(FULL) if r.role == REUSE else r for r in self.rows))
+        return TokenLayout(tuple(TokenRow(FULL) if r.role == REUSE else r for r in self.rows), self.cached)
 
 
 def computed_tokens(mask: torch.Tensor, levels: int) -> dict[int, torch.Tensor]:
@@ -155,12 +158,17 @@ def _subset_block_class():
 
 
 def _run_rows(block, layout: TokenLayout, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-    """Every row of the step through `block`: REUSE rows together on their masked tokens, the
-    others whole (RECORD rows' outputs kept)."""
+    """Every row of the step through `block`: REUSE rows together on their masked tokens (where
+    the layout takes this block from the recording), the others whole (RECORD rows' outputs kept)."""
     from diffusers.models.attention import BasicTransformerBlock
 
-    whole = [i for i, r in enumerate(layout.rows) if r.role != REUSE]
-    reuse = [i for i, r in enumerate(layout.rows) if r.role == REUSE]
+    cached = layout.cached is None or block._subset_index in layout.cached
+    reuse = [i for i, r in enumerate(layout.rows) if r.role == REUSE and cached]
+    whole = [i for i in range(len(layout.rows)) if i not in reuse]
+    if not cached:  # REUSE rows run this block whole: every token computed
+        n = sum(r.role == REUSE for r in layout.rows) * x.shape[1]
+        block._subset_context.computed_tokens += n
+        block._subset_context.all_tokens += n
     out = torch.empty_like(x)
     if whole:
         idx = torch.tensor(whole, device=x.device)

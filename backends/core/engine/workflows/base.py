@@ -20,6 +20,7 @@ from backends.core.engine.controls import ControlNetSteps
 from backends.core.engine.diffusers_schedulers import SchedulerPrototypes
 from backends.core.engine.requests import DenoiseJob, RequestState
 from backends.core.engine.template_cache import TemplateCache
+from backends.core.runtime.cache_plan import BlockProfile
 from backends.core.runtime.token_subsets import TokenLayout
 
 
@@ -35,6 +36,8 @@ class Model:
     controls: ControlNetSteps
     templates: TemplateCache  # templates' recorded activations (runtime/token_subsets.py)
     token_subsets: bool = False  # the runtime computes subsets of tokens (RuntimeCaps.token_subsets)
+    # Measured block times (runtime/cache_plan.py): which blocks a reusing edit takes from its recording
+    block_profile: BlockProfile | None = None
     # Tensors made on another thread's stream (a recording's load) and read on the engine's from now on
     adopt: Callable[[Iterable[torch.Tensor]], None] = lambda tensors: None
 

@@ -135,8 +135,18 @@ class Inpaint(Txt2Img):
     def tokens(self, states) -> TokenLayout | None:
         if all(s.template_role == FULL for s in states):
             return None
-        return TokenLayout(tuple(TokenRow(s.template_role, s.recording, s.index, r, s.computed)
-                                 for s in states for r in range(s.rows)))
+        rows = tuple(TokenRow(s.template_role, s.recording, s.index, r, s.computed)
+                     for s in states for r in range(s.rows))
+        return TokenLayout(rows, self._cached_blocks(states))
+
+    def _cached_blocks(self, states) -> frozenset[int] | None:
+        """With a measured profile at the request's size: the blocks where taking the recording
+        is faster than computing whole (recordings are on the device: no loads); else every block."""
+        profile, p = self.model.block_profile, states[0].job.params
+        reusing = [s for s in states if s.template_role == REUSE]
+        if profile is None or not reusing or (p.width, p.height) != (profile.size, profile.size):
+            return None
+        return profile.plan(max(s.token_share for s in reusing), sum(s.rows for s in reusing), resident=True)
 
     def _check_edit(self, edit: EditInputs | None, shape: tuple[int, int]) -> None:
         if edit is None:
