@@ -160,6 +160,11 @@ def parser() -> argparse.ArgumentParser:
     prof.add_argument("--size", type=int, default=None, help="default: the model's default size")
     prof.add_argument("--seeds", type=int, default=2)
     prof.add_argument("--threshold", type=float, default=0.99, help="cosine similarity of latents")
+    tp = sub.add_parser("profile-template", help="measure where template edits' reuse pays, per transformer block, "
+                                                 "and write it into a repository's denoisers")
+    tp.add_argument("--repo", required=True, help="a model repository")
+    tp.add_argument("--size", type=int, default=None, help="the edits' image size (default: the model's default size)")
+    tp.add_argument("--iters", type=int, default=10, help="timed runs per block and mask ratio (median)")
     return p
 
 
@@ -204,6 +209,12 @@ def main(argv: list[str] | None = None) -> int:
         bounds = profile_loras(args.repo, names, steps=args.steps, size=args.size, seeds=args.seeds,
                                threshold=args.threshold)
         logging.getLogger("easel").info("bounds: %s", bounds)
+        return 0
+    if args.command == "profile-template":
+        from .profile_template import profile_template
+
+        for path in profile_template(args.repo, size=args.size, iters=args.iters):
+            logging.getLogger("easel").info("wrote %s", path)
         return 0
     return 2
 

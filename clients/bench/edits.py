@@ -33,26 +33,17 @@ from pathlib import Path
 import numpy as np
 
 from clients.bench.models import SCHEDULER
+from export.profile_template import RATIOS, centered_mask
 from clients.bench.report import GUIDANCE
 
 log = logging.getLogger("easel.bench.edits")
 
-RATIOS = (0.05, 0.1, 0.2, 0.35, 0.5)
 TRACE_MEAN_RATIO = 0.11  # InstGenIE's production trace (0.19 in the public one it cites)
 TEMPLATE = "bench-template"
 SEED = 7
 SAMPLING = dict(guidance_scale=GUIDANCE, scheduler=SCHEDULER)  # diffusers' EulerDiscreteScheduler, guided
 # Device memory for recordings: SDXL at 1024 px with guidance is 0.42 GB a step.
 GPU_TEMPLATE_CACHE_GIB = (48.0, 0.0, 0.0)
-
-
-def centered_mask(size: int, ratio: float) -> np.ndarray:
-    """A square mask of about `ratio` of the image, at the center (255 repaints), in 8 px steps."""
-    side = max(8, int(round(size * ratio ** 0.5 / 8)) * 8)
-    mask = np.zeros((size, size), np.uint8)
-    start = (size - side) // 2
-    mask[start:start + side, start:start + side] = 255
-    return mask
 
 
 def trace_ratios(count: int, seed: int = 0) -> list[float]:

@@ -180,12 +180,12 @@ def _run_rows(block, layout: TokenLayout, x: torch.Tensor, text: torch.Tensor) -
                 r.activations.put(r.step, block._subset_index, r.row, y[k])
     if reuse:
         idx = torch.tensor(reuse, device=x.device)
-        out.index_copy_(0, idx, _masked(block, [layout.rows[i] for i in reuse], x.index_select(0, idx),
+        out.index_copy_(0, idx, masked_rows(block, [layout.rows[i] for i in reuse], x.index_select(0, idx),
                                         text.index_select(0, idx)))
     return out
 
 
-def _masked(block, rows: list[TokenRow], x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+def masked_rows(block, rows: list[TokenRow], x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
     """REUSE rows [R, L, C] through `block` at once, each computing its masked tokens only: their
     indices padded to the longest by repeating each row's last (a token computed twice gives the
     same value twice), a row with none taking the recording whole."""

@@ -1,0 +1,138 @@
+"""`easel profile-template`: measures, on the deployment's device and at its image size, what each
+transformer block of the UNet costs on every token and on a mask's tokens (the rest from a
+template's recording), and what one row of its recording takes to load from pinned host memory;
+writes the result (runtime/cache_plan.BlockProfile) into every denoiser of a repository, where
+reusing edits at that size then take the recording only in the blocks where it pays.
+
+Times per UNet row: GPU times from CUDA events on a GPU (median of `iters`), clock times on the
+CPU (where loads cost nothing: the recording is where the compute is).
+"""
+
+from __future__ import annotations
+
+import logging
+import statistics
+import time
+from pathlib import Path
+
+import numpy as np
+
+from backends.core.runtime.cache_plan import BlockProfile, ProfiledBlock
+
+log = logging.getLogger(__name__)
+
+RATIOS = (0.05, 0.1, 0.2, 0.35, 0.5)  # the profile's mask ratios (linear between them)
+
+
+def centered_mask(size: int, ratio: float) -> np.ndarray:
+    """A square mask of about `ratio` of a `size` image, at the center (255 repaints), in 8 px steps."""
+    side = max(8, int(round(size * ratio ** 0.5 / 8)) * 8)
+    mask = np.zeros((size, size), np.uint8)
+    start = (size - side) // 2
+    mask[start:start + side, start:start + side] = 255
+    return mask
+
+
+def ordered_blocks(unet) -> list[tuple[object, int]]:
+    """(transformer block, its level) in the order a step runs them: down, mid, up."""
+    from diffusers.models.attention import BasicTransformerBlock
+
+    levels = len(unet.down_blocks)
+    parts = [(b, i) for i, b in enumerate(unet.down_blocks)] + [(unet.mid_block, levels - 1)] + \
+        [(b, levels - 1 - i) for i, b in enumerate(unet.up_blocks)]
+    return [(m, level) for part, level in parts for m in part.modules() if isinstance(m, BasicTransformerBlock)]
+
+
+def measure_blocks(unet, size: int, rows: int = 2, iters: int = 10) -> list[dict]:
+    """Per block in step order: its install index, level, tokens, width, `without_ms`, `with_ms`
+    per ratio, `load_ms` and `record_bytes`, for `rows` rows (the UNet's device and dtype)."""
+    import torch
+    from diffusers.models.attention import BasicTransformerBlock
+
+    from backends.core.runtime.token_subsets import (REUSE, TemplateActivations, TokenRow, masked_rows, computed_tokens,
+                                                     install)
+
+    param = next(unet.parameters())
+    device, dtype, cuda = param.device, param.dtype, param.device.type == "cuda"
+    if not any(hasattr(m, "_subset_index") for m in unet.modules()):
+        install(unet)
+    latent = size // 8
+    g = torch.Generator(device).manual_seed(0)
+    text = torch.randn(rows, 77, unet.config.cross_attention_dim, generator=g, device=device, dtype=dtype)
+    stream = torch.cuda.Stream(device) if cuda else None
+
+    def timed_ms(fn) -> float:
+        fn()
+        times = []
+        for _ in range(iters):
+            if cuda:
+                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                begin.record()
+                fn()
+                end.record()
+                end.synchronize()
+                times.append(begin.elapsed_time(end))
+            else:
+                start = time.perf_counter()
+                fn()
+                times.append((time.perf_counter() - start) * 1e3)
+        return statistics.median(times)
+
+    out = []
+    with torch.inference_mode():
+        for block, level in ordered_blocks(unet):
+            side = latent >> level
+            tokens, width = side * side, block.norm1.normalized_shape[0]
+            x = torch.randn(rows, tokens, width, generator=g, device=device, dtype=dtype)
+            record = TemplateActivations(rows)
+            for r in range(rows):
+                record.put(0, block._subset_index, r, x[r])
+            entry = {"index": block._subset_index, "level": level, "tokens": tokens, "width": width,
+                     "without_ms": timed_ms(lambda: BasicTransformerBlock.forward(block, x, encoder_hidden_states=text)),
+                     "with_ms": {}, "record_bytes": record.nbytes, "load_ms": 0.0}
+            for ratio in RATIOS:
+                mask = torch.from_numpy(centered_mask(latent, ratio) / 255.0).to(device)[None, None]
+                computed = computed_tokens(mask, len(unet.config.block_out_channels))
+                layout = [TokenRow(REUSE, record, 0, r, computed) for r in range(rows)]
+                entry["with_ms"][str(ratio)] = timed_ms(lambda: masked_rows(block, layout, x, text))
+            if cuda:  # one step's recorded output of the block, pinned host -> device on a load stream
+                host = torch.empty((rows, tokens, width), dtype=dtype).pin_memory()
+                target = torch.empty_like(host, device=device)
+
+                def load():
+                    with torch.cuda.stream(stream):
+                        target.copy_(host, non_blocking=True)
+                    torch.cuda.current_stream(device).wait_stream(stream)
+                entry["load_ms"] = timed_ms(load)
+            out.append(entry)
+    return out
+
+
+def as_profile(measured: list[dict], size: int, rows: int) -> BlockProfile:
+    def per_row_s(ms: float) -> float:
+        return ms / 1e3 / rows
+
+    return BlockProfile(size, RATIOS, tuple(
+        ProfiledBlock(e["index"], per_row_s(e["without_ms"]), tuple(per_row_s(e["with_ms"][str(r)]) for r in RATIOS),
+                      per_row_s(e["load_ms"])) for e in measured))
+
+
+def profile_template(repo: str | Path, size: int | None = None, iters: int = 10) -> list[Path]:
+    """Measures on the first denoiser's device (its UNet) and writes the profile into every
+    denoiser of `repo`; returns the files written."""
+    from backends.core.engine.config import DenoiserConfig
+    from backends.core.runtime.artifacts import load_unet_halves
+    from backends.core.runtime.placement import Placement
+    from export.triton_config import read_parameters
+
+    repo = Path(repo)
+    denoisers = sorted(p.parent for p in repo.glob("denoiser*/config.pbtxt"))
+    if not denoisers:
+        raise ValueError(f"{repo}: no denoiser in this repository")
+    first = next(d for d in denoisers if (d / "1" / "unet").exists())
+    params = read_parameters(first / "config.pbtxt")
+    device = "cuda:0" if "KIND_GPU" in (first / "config.pbtxt").read_text() else "cpu"
+    size = size or DenoiserConfig.from_json(params["denoiser"]).limits.default_width
+    unet, _, _ = load_unet_halves(first / "1", Placement(device, params.get("dtype", "fp32")))
+    profile = as_profile(measure_blocks(unet, size, iters=iters), size, rows=2)
+    return [profile.write(d / "1") for d in denoisers]
