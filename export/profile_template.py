@@ -43,6 +43,23 @@ def ordered_blocks(unet) -> list[tuple[object, int]]:
     return [(m, level) for part, level in parts for m in part.modules() if isinstance(m, BasicTransformerBlock)]
 
 
+def gpu_ms(fn, iters: int, warmup: int = 3) -> list[float]:
+    """GPU milliseconds of each of `iters` calls of `fn` (CUDA events on the current stream)."""
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        begin.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(begin.elapsed_time(end))
+    return times
+
+
 def measure_blocks(unet, size: int, rows: int = 2, iters: int = 10) -> list[dict]:
     """Per block in step order: its install index, level, tokens, width, `without_ms`, `with_ms`
     per ratio, `load_ms` and `record_bytes`, for `rows` rows (the UNet's device and dtype)."""
@@ -62,20 +79,14 @@ def measure_blocks(unet, size: int, rows: int = 2, iters: int = 10) -> list[dict
     stream = torch.cuda.Stream(device) if cuda else None
 
     def timed_ms(fn) -> float:
+        if cuda:
+            return statistics.median(gpu_ms(fn, iters, warmup=1))
         fn()
         times = []
         for _ in range(iters):
-            if cuda:
-                begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-                begin.record()
-                fn()
-                end.record()
-                end.synchronize()
-                times.append(begin.elapsed_time(end))
-            else:
-                start = time.perf_counter()
-                fn()
-                times.append((time.perf_counter() - start) * 1e3)
+            start = time.perf_counter()
+            fn()
+            times.append((time.perf_counter() - start) * 1e3)
         return statistics.median(times)
 
     out = []
@@ -87,9 +98,9 @@ def measure_blocks(unet, size: int, rows: int = 2, iters: int = 10) -> list[dict
             record = TemplateActivations(rows)
             for r in range(rows):
                 record.put(0, block._subset_index, r, x[r])
+            whole = timed_ms(lambda: BasicTransformerBlock.forward(block, x, encoder_hidden_states=text))
             entry = {"index": block._subset_index, "level": level, "tokens": tokens, "width": width,
-                     "without_ms": timed_ms(lambda: BasicTransformerBlock.forward(block, x, encoder_hidden_states=text)),
-                     "with_ms": {}, "record_bytes": record.nbytes, "load_ms": 0.0}
+                     "without_ms": whole, "with_ms": {}, "record_bytes": record.nbytes, "load_ms": 0.0}
             for ratio in RATIOS:
                 mask = torch.from_numpy(centered_mask(latent, ratio) / 255.0).to(device)[None, None]
                 computed = computed_tokens(mask, len(unet.config.block_out_channels))

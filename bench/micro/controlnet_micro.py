@@ -22,7 +22,8 @@ import time
 
 from clients.bench.common import bench_parser, random_sdxl, start_logging, write_controlnets, write_json
 from export.cli import int_list
-from bench.micro.runtime_micro import gpu_ms, wall_ms_per_step
+from bench.micro.runtime_micro import wall_ms_per_step
+from export.profile_template import gpu_ms
 
 log = logging.getLogger("bench.micro.controlnet_micro")
 VARIANTS = ("graphs", "compiled", "compiled+kept", "compiled+kept+fast")

@@ -47,7 +47,7 @@ from backends.core.runtime.config import FP8_PARTS
 from clients.bench.common import (bench_parser, random_sdxl, random_sdxl_denoiser, random_sdxl_fp8_calibration, rel_rms,
                           start_logging, write_json)
 from clients.bench.fp8_diagnosis import diagnose
-from bench.micro.runtime_micro import gpu_ms
+from export.profile_template import gpu_ms
 
 log = logging.getLogger("bench.micro.fp8_probe")
 PROMPTS = ("a lighthouse on a cliff in a storm, dramatic clouds", "a bowl of ramen on a wooden table, top view")

@@ -20,24 +20,9 @@ import statistics
 import time
 
 from clients.bench.common import bench_parser, random_sdxl_denoiser, start_logging
+from export.profile_template import gpu_ms
 
 log = logging.getLogger("bench.micro.runtime_micro")
-
-
-def gpu_ms(fn, iters: int, warmup: int = 3) -> list[float]:
-    import torch
-
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
-    return times
 
 
 def wall_ms_per_step(fn, steps: int) -> float:

@@ -22,7 +22,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from clients.bench.common import bench_parser, random_sdxl_denoiser, random_sdxl_fp8_calibration, run_key, start_logging
-from bench.micro.runtime_micro import gpu_ms
+from export.profile_template import gpu_ms
 
 log = logging.getLogger("bench.micro.step_profile")
 
