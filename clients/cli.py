@@ -1,6 +1,6 @@
 """`easel` command line: serve a model repository, generate images, export models.
 
-Kept free of torch/diffusers: `tiny`, `export` and `profile-lora` are forwarded
+Kept free of torch/diffusers: `tiny`, `export`, `profile-lora` and `profile-template` are forwarded
 to `export.cli`, imported only when one of them runs.
 """
 from __future__ import annotations
@@ -25,6 +25,7 @@ EXPORT_COMMANDS = {
     "tiny": "build the tiny random SDXL demo pipeline (CPU)",
     "export": "export a diffusers pipeline into a Triton model repository",
     "profile-lora": "measure LoRA adapter cost",
+    "profile-template": "measure where template edits' reuse pays, per transformer block",
 }
 
 
