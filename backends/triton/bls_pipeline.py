@@ -34,6 +34,7 @@ outlive `execute`), so bench/micro/pipeline_trace.py reads Triton's per-model st
 
 from __future__ import annotations
 
+import hashlib
 import json
 import logging
 import threading
@@ -105,8 +106,14 @@ def request_cost(params: GenerateParams, edit: list) -> RequestCost:
     work = params.work()
     if params.template is None or not edit:
         return RequestCost(work)
-    mask = edit[[t.name for t in contract.EDIT].index("mask")].as_numpy()
-    return RequestCost(work, work * float(mask.mean()))
+    names = [t.name for t in contract.EDIT]
+    mask = edit[names.index("mask")].as_numpy()
+    # The recording's key as far as routing needs it (the denoiser's template_key is the exact one)
+    image = np.ascontiguousarray(edit[names.index("image_mean")].as_numpy())
+    key = (params.template, hashlib.sha256(image.tobytes()).hexdigest(), params.width, params.height, params.steps,
+           params.scheduler, params.strength, params.seed, params.cfg,
+           tuple((lora.name, lora.scale) for lora in params.loras), tuple(c.name for c in params.controls))
+    return RequestCost(work, work * float(mask.mean()), key)
 
 
 class BlsPipeline:
@@ -245,7 +252,7 @@ class BlsPipeline:
                     self._progress(job, i, checked.denoising_steps, previews)
         finally:
             job.denoising = None
-            self.router.release(chosen, admitted)
+            self.router.release(chosen, admitted, served=final is not None)
             if previews is not None:
                 previews.close()
         if final is None:

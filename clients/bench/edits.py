@@ -90,12 +90,15 @@ def record(url: str, setup, template: bytes, steps: int, denoisers: int) -> floa
     seconds = time.perf_counter() - start
     if use != "recorded":
         raise RuntimeError(f"the template's first edit was {use}, not recorded")
-    with ThreadPoolExecutor(max_workers=2 * denoisers) as pool:  # the router spreads equal requests at once
-        list(pool.map(edit, [f"spread {i}" for i in range(denoisers)], [0.2] * denoisers))
-        uses = list(pool.map(edit, [f"warm {i}" for i in range(2 * denoisers)], [0.05, 0.5] * denoisers))
-    if set(uses) != {"reused"}:
-        raise RuntimeError(f"edits of a recorded template were {uses} (is its cache too small?)")
-    return seconds
+    # Rounds of edits at once until a whole round reuses: the router spreads requests sent together,
+    # and a denoiser without the recording records it (a round that lands on one only proves nothing
+    # of the others: then more rounds, and the check below is of every denoiser's answers).
+    with ThreadPoolExecutor(max_workers=2 * denoisers) as pool:
+        for attempt in range(6):
+            uses = list(pool.map(edit, [f"warm {attempt}-{i}" for i in range(2 * denoisers)], [0.05, 0.5] * denoisers))
+            if set(uses) == {"reused"} and attempt > 0:
+                return seconds
+    raise RuntimeError(f"edits of a recorded template were {uses} (is its cache too small?)")
 
 
 def latency(client, setup, template: bytes, out: dict) -> None:
@@ -111,12 +114,15 @@ def latency(client, setup, template: bytes, out: dict) -> None:
             exact.append(_pixels(client.generate(f"an edit {i}", **files)))
             row["exact_s"].append(time.perf_counter() - start)
         for i in range(setup.runs):
-            start = time.perf_counter()
-            result = client.generate(f"an edit {i}", template=TEMPLATE, **files)
-            row["reuse_s"].append(time.perf_counter() - start)
-            use = result.info.get("template_use")
-            if use != "reused":
-                raise RuntimeError(f"mask {ratio}: an edit of a recorded template was {use}")
+            for _ in range(3):  # a denoiser that had not served the template records it first
+                start = time.perf_counter()
+                result = client.generate(f"an edit {i}", template=TEMPLATE, **files)
+                seconds, use = time.perf_counter() - start, result.info.get("template_use")
+                if use == "reused":
+                    break
+            else:
+                raise RuntimeError(f"mask {ratio}: edits of a recorded template were {use}")
+            row["reuse_s"].append(seconds)
             reused.append(_pixels(result))
             row["quality"].append(compare(reused[-1], exact[i], mask))
         row["exact_p50_s"], row["reuse_p50_s"] = float(np.median(row["exact_s"])), float(np.median(row["reuse_s"]))

@@ -126,3 +126,27 @@ def test_seconds_wait_for_every_denoiser_to_have_measured():
     board = {"a": measured(50.0), "b": Load(10.0)}  # b has not run a step yet
     mode, loads, _ = LeastLoaded(["a", "b"], board.get).loads(RequestCost(1.0))
     assert mode == "work" and loads == {"a": 50.0, "b": 10.0}
+
+
+def test_a_template_edit_goes_where_its_recording_is_unless_that_denoiser_is_busier_than_it_saves():
+    """A template edit costs its mask's share only where the template was served before (the
+    recording is there); elsewhere it would record, whole. Measured in work, templates are not seen."""
+    board = {"a": measured(10.0), "b": measured(10.0)}
+    router = LeastLoaded(["a", "b"], board.get)
+    edit = RequestCost(10.0, token_work=1.0, template=("door", 64))
+    first = router.pick(edit)  # nobody holds it: priced whole everywhere, the turn decides
+    assert first.seconds == pytest.approx(0.02 * 10.0)
+    router.admitted(first)
+    router.release(first, served=True)
+    holder, other = first.name, "b" if first.name == "a" else "a"
+    board[holder] = measured(15.0)  # busier than the other by 5 row-steps (0.1 s) ...
+    again = router.pick(edit)  # ... less than the recording saves there (10 whole vs 1 masked: 0.126 s)
+    assert again.name == holder and again.seconds == pytest.approx(0.02 * (0.3 * 10.0 + 0.7 * 1.0))
+    router.admitted(again)
+    router.release(again)  # failed: nothing learnt
+    board[holder] = measured(30.0)  # now busier by more than it saves
+    assert router.pick(edit).name == other
+    assert router.pick(RequestCost(10.0, token_work=1.0, template=("window", 64))).seconds == pytest.approx(0.2)
+    blind = LeastLoaded(["a", "b"], {"a": measured(15.0), "b": measured(10.0)}.get, measure="work")
+    blind.holders[("door", 64)] = {"a"}
+    assert blind.pick(edit).name == "b"

@@ -13,8 +13,11 @@ the board does not show it). Two measures:
   (engine/step_cost.py). A template edit that reuses a recording costs its mask's share of the
   transformer blocks, so a denoiser busy with small-mask edits is less loaded than its pixels say,
   and a faster denoiser (a GPU pair) counts as such. A request goes where its own predicted
-  seconds plus the load are least: where it would finish first. Until every denoiser has measured
-  a step, this router compares work instead.
+  seconds plus the load are least: where it would finish first. A template edit is priced by its
+  mask only on a denoiser this router has seen serve that template (it holds the recording; on
+  another it would record, whole), so edits of a template stay where its recording is unless that
+  denoiser is busier by more than the recording saves. Until every denoiser has measured a step,
+  this router compares work instead.
 - `work`: row-steps of 1024x1024 pixels (GenerateParams.work), blind to masks and speeds.
 
 A denoiser with nothing on the board (not started, or a board that cannot be read) is counted by
@@ -26,12 +29,15 @@ tested on its own.
 from __future__ import annotations
 
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
 from backends.core.serving.load_board import Load
 
 MEASURES = ("seconds", "work")
+# Templates whose denoisers this router remembers (least recently routed forgotten first)
+MAX_TEMPLATES = 4096
 
 
 @dataclass(frozen=True)
@@ -41,6 +47,7 @@ class RequestCost:
 
     work: float
     token_work: float | None = None  # None: equal to work
+    template: tuple | None = None  # a template edit's recording key (as the pipeline sees it)
 
     @property
     def tokens(self) -> float:
@@ -54,6 +61,7 @@ class Pick:
     name: str
     work: float
     seconds: float
+    template: tuple | None = None
 
 
 class LeastLoaded:
@@ -69,6 +77,7 @@ class LeastLoaded:
         self.outstanding = {name: 0.0 for name in self.names}  # work sent by this router, not ended
         self.pending = {name: 0.0 for name in self.names}  # work sent by this router, not admitted
         self.pending_s = {name: 0.0 for name in self.names}  # ... its predicted seconds
+        self.holders: OrderedDict[tuple, set[str]] = OrderedDict()  # template -> denoisers that served it
         self._next = 0  # where the search starts: ties go round in turn
         self._lock = threading.Lock()  # picks and releases come from the pipeline's worker threads
 
@@ -76,7 +85,9 @@ class LeastLoaded:
         """(the measure used, each denoiser's load as it would be with the request, the request's
         own seconds on each (0 when measured in work))."""
         boards = {name: self.board(name) if self.board is not None else None for name in self.names}
-        own = {name: b.price(cost.work, cost.tokens) if b is not None else None for name, b in boards.items()}
+        holders = self.holders.get(cost.template, ()) if cost.template is not None else self.names
+        own = {name: b.price(cost.work, cost.tokens if name in holders else cost.work) if b is not None else None
+               for name, b in boards.items()}
         if self.measure == "seconds" and all(b is not None and b.seconds is not None and own[name] is not None
                                              for name, b in boards.items()):
             return "seconds", {n: boards[n].seconds + self.pending_s[n] + own[n] for n in self.names}, own
@@ -91,7 +102,7 @@ class LeastLoaded:
             order = self.names[self._next:] + self.names[:self._next]
             name = min(order, key=loads.__getitem__)  # the first of the least loaded
             self._next = (self.names.index(name) + 1) % len(self.names)
-            chosen = Pick(name, cost.work, own[name] or 0.0)
+            chosen = Pick(name, cost.work, own[name] or 0.0, cost.template)
             self.outstanding[name] += chosen.work
             self.pending[name] += chosen.work
             self.pending_s[name] += chosen.seconds
@@ -102,10 +113,16 @@ class LeastLoaded:
         with self._lock:
             self._unpend(chosen)
 
-    def release(self, chosen: Pick, admitted: bool = True) -> None:
-        """The request sent to `chosen.name` ended (finished, failed or cancelled)."""
+    def release(self, chosen: Pick, admitted: bool = True, served: bool = False) -> None:
+        """The request sent to `chosen.name` ended (finished, failed or cancelled; `served`: it
+        finished, so a template edit's denoiser now holds that template's recording)."""
         with self._lock:
             name = chosen.name
+            if served and chosen.template is not None:
+                self.holders.setdefault(chosen.template, set()).add(name)
+                self.holders.move_to_end(chosen.template)
+                while len(self.holders) > MAX_TEMPLATES:
+                    self.holders.popitem(last=False)
             self.outstanding[name] = max(0.0, self.outstanding[name] - chosen.work)  # float sums need not return to 0
             if not admitted:
                 self._unpend(chosen)
