@@ -90,13 +90,12 @@ def record(url: str, setup, template: bytes, steps: int, denoisers: int) -> floa
     seconds = time.perf_counter() - start
     if use != "recorded":
         raise RuntimeError(f"the template's first edit was {use}, not recorded")
-    # Rounds of edits at once until a whole round reuses: the router spreads requests sent together,
-    # and a denoiser without the recording records it (a round that lands on one only proves nothing
-    # of the others: then more rounds, and the check below is of every denoiser's answers).
+    # Rounds of edits sent together (the router spreads them; a denoiser without the recording
+    # records it) until a round after the first is reused throughout.
     with ThreadPoolExecutor(max_workers=2 * denoisers) as pool:
         for attempt in range(6):
             uses = list(pool.map(edit, [f"warm {attempt}-{i}" for i in range(2 * denoisers)], [0.05, 0.5] * denoisers))
-            if set(uses) == {"reused"} and attempt > 0:
+            if attempt > 0 and set(uses) == {"reused"}:
                 return seconds
     raise RuntimeError(f"edits of a recorded template were {uses} (is its cache too small?)")
 
@@ -371,14 +370,19 @@ def plot(path: Path) -> list[Path]:
 
 def write_report(results: dict, out_dir: Path, final: bool = False) -> None:
     """edits.json and edits.md as far as measured; the final write also draws the plots."""
-    path = out_dir / "edits.json"
-    path.write_text(json.dumps(results, indent=1))
+    (out_dir / "edits.json").write_text(json.dumps(results, indent=1))
     (out_dir / "edits.md").write_text(markdown(results))
     if final:
         try:
-            plot(path)
+            plot(out_dir / "edits.json")
         except ImportError as exc:  # the GPU image may lack matplotlib: --replot elsewhere
             log.warning("no plots (%s); rerun with --replot %s where matplotlib is installed", exc, out_dir)
+
+
+def replot(out_dir: Path) -> list[Path]:
+    """`easel bench --replot DIR`: edits.md and the plots again from DIR/edits.json."""
+    (out_dir / "edits.md").write_text(markdown(json.loads((out_dir / "edits.json").read_text())))
+    return plot(out_dir / "edits.json")
 
 
 def run_edits(setup, out_dir: Path, skip: set[str] = frozenset(), load_rates: tuple[float, ...] = (),

@@ -558,17 +558,16 @@ def main(argv: list[str] | None = None) -> int:
     args = parser().parse_args(argv)
     start_logging()
     if args.replot is not None:
+        written = []
         if (args.replot / "edits.json").is_file():
-            from clients.bench import edits
+            from clients.bench.edits import replot
 
-            (args.replot / "edits.md").write_text(edits.markdown(json.loads((args.replot / "edits.json").read_text())))
-            for path in edits.plot(args.replot / "edits.json"):
-                log.info("wrote %s", path)
+            written += replot(args.replot)
         if (args.replot / "results.json").is_file():
-            results = json.loads((args.replot / "results.json").read_text())
-            (args.replot / "results.md").write_text(markdown(results))
-            for path in plot(args.replot / "results.json"):
-                log.info("wrote %s", path)
+            (args.replot / "results.md").write_text(markdown(json.loads((args.replot / "results.json").read_text())))
+            written += plot(args.replot / "results.json")
+        for path in written:
+            log.info("wrote %s", path)
         return 0
     setups = resolve_all(args)
     setup = setups[0]
@@ -581,17 +580,17 @@ def main(argv: list[str] | None = None) -> int:
     skip = {s for s, flag in (("easel", args.skip_easel), ("diffusers_eager", args.skip_diffusers_eager),
                               ("diffusers_compiled", args.skip_diffusers_compiled or setup.smoke)) if flag}
     setup.work.mkdir(parents=True, exist_ok=True)
-    if args.edit:
-        from clients.bench.edits import run_edits
-
-        run_edits(setup, out, skip, args.load_rates, args.load_requests)
-        print(out / "edits.json")
-        return 0
     # SIGTERM (`timeout`, a time limit) unwinds like Ctrl-C: servers stop, results are saved.
     previous = None
     if threading.current_thread() is threading.main_thread():
         previous = signal.signal(signal.SIGTERM, _terminate)
     try:
+        if args.edit:
+            from clients.bench.edits import run_edits
+
+            run_edits(setup, out, skip, args.load_rates, args.load_requests)
+            print(out / "edits.json")
+            return 0
         code = 0
         for each in setups:  # configurations one after another, into the same results
             code |= run(each, out, skip, argv)
