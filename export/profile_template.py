@@ -66,8 +66,8 @@ def measure_blocks(unet, size: int, rows: int = 2, iters: int = 10) -> list[dict
     import torch
     from diffusers.models.attention import BasicTransformerBlock
 
-    from backends.core.runtime.token_subsets import (REUSE, TemplateActivations, TokenRow, masked_rows, computed_tokens,
-                                                     install)
+    from backends.core.runtime.token_subsets import (REUSE, TemplateActivations, TokenLayout, TokenRow, masked_rows,
+                                                     computed_tokens, install)
 
     param = next(unet.parameters())
     device, dtype, cuda = param.device, param.dtype, param.device.type == "cuda"
@@ -104,8 +104,9 @@ def measure_blocks(unet, size: int, rows: int = 2, iters: int = 10) -> list[dict
             for ratio in RATIOS:
                 mask = torch.from_numpy(centered_mask(latent, ratio) / 255.0).to(device)[None, None]
                 computed = computed_tokens(mask, len(unet.config.block_out_channels))
-                layout = [TokenRow(REUSE, record, 0, r, computed) for r in range(rows)]
-                entry["with_ms"][str(ratio)] = timed_ms(lambda: masked_rows(block, layout, x, text))
+                layout = TokenLayout(tuple(TokenRow(REUSE, record, 0, r, computed) for r in range(rows)))
+                every = tuple(range(rows))
+                entry["with_ms"][str(ratio)] = timed_ms(lambda: masked_rows(block, layout, every, x, text))
             if cuda:  # one step's recorded output of the block, pinned host -> device on a load stream
                 host = torch.empty((rows, tokens, width), dtype=dtype).pin_memory()
                 target = torch.empty_like(host, device=device)

@@ -32,6 +32,9 @@ def main() -> None:
     p.add_argument("--model", type=Path, help="diffusers SDXL folder (default: write a tiny one)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--seeds", type=int, default=8)
+    p.add_argument("--runtime", default="eager",
+                   help="the UNet runtime (export --runtime). Reusing edits run eager under every runtime, so "
+                        "eager (the default) leaves the method's own deviation alone in the figures")
     p.add_argument("--cache-gib", type=int, default=64,
                    help="device memory for one recording (SDXL at 1024 px: 0.42 GB a step with guidance)")
     args = p.parse_args()
@@ -53,7 +56,8 @@ def main() -> None:
     model = args.model or tiny(args.work)
     dtype = "fp32" if args.device == "cpu" else "fp16"
     repo = export_repository(model, args.work / "repo", ExportOptions(
-        device="cpu" if args.device == "cpu" else "cuda", dtype=dtype, max_size=max(args.size, 64)))
+        device="cpu" if args.device == "cpu" else "cuda", dtype=dtype, max_size=max(args.size, 64),
+        runtime=args.runtime))
     where = Placement(args.device if args.device == "cpu" else "cuda:0", dtype)
     first = "denoiser" if args.device == "cpu" else "denoiser_gpu0"
     engine = TorchDenoiser(repo / first / "1", where, templates=TemplateCache(where.device, args.cache_gib << 30))
@@ -109,6 +113,7 @@ def main() -> None:
     summary = {ratio: {k: (None if np.isinf(v) else v) for k, v in s.items()} for ratio, s in summary.items()}
     write_json(args.out, {"device": args.device, "gpu": torch.cuda.get_device_name() if args.device != "cpu" else None,
                           "size": args.size, "steps": args.steps, "seeds": args.seeds, "model": str(model),
+                          "runtime": args.runtime,
                           "rows": finite, "median_by_ratio": summary})
 
 

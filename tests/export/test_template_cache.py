@@ -148,7 +148,9 @@ def test_recordings_move_down_the_tiers_and_survive_a_restart(tmp_path):
     restarted.prefetch(("c", 1))  # a request with this key was submitted
     reuse, r = restarted.take(("c", 1), 2)
     r = r if isinstance(r, TemplateActivations) else r.result()
-    assert reuse and restarted.stats.hits["disk"] == 1 and torch.equal(r.get(1, 0, 1), made["c"].get(1, 0, 1))
+    # (read from its file by the prefetch: a hit of the disk tier, or of the device one where the
+    # prefetch's load ended before the take)
+    assert reuse and restarted.stats.loaded_bytes["disk"] >= one and torch.equal(r.get(1, 0, 1), made["c"].get(1, 0, 1))
     assert restarted.stats.loaded_bytes["disk"] > 0 and restarted.stats.load_seconds > 0
     assert not restarted.take(("d", 1), 2)[0]
 

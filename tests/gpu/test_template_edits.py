@@ -49,3 +49,40 @@ def test_a_reused_template_edit_on_the_fast_runtime_matches_the_exact_edit(repo)
     assert use == "reused" and rel_err(reused, want) <= 1e-4
     context = fast_runtime.eager.subsets
     assert 0 < context.computed_tokens < context.all_tokens
+
+
+def test_a_block_serving_reusing_rows_never_waits_for_the_device():
+    """The gather indices are made once per step and copied from pinned memory: a block that runs a
+    recording row beside a reusing one issues no synchronizing call (each block used to copy its
+    row indices from pageable memory, a wait for the stream at every block of every step)."""
+    from diffusers.models.attention import BasicTransformerBlock
+
+    from backends.core.runtime.token_subsets import (RECORD, REUSE, TemplateActivations, TokenLayout, TokenRow,
+                                                     computed_tokens, install)
+
+    g = torch.Generator("cuda").manual_seed(0)
+    block = BasicTransformerBlock(64, 2, 32, cross_attention_dim=32).cuda().eval()
+    context = install(block)
+    x = torch.randn(2, 64, 64, device="cuda", generator=g)  # an 8x8 token grid
+    text = torch.randn(2, 7, 32, device="cuda", generator=g)
+    mask = torch.zeros(1, 1, 8, 8, device="cuda")
+    mask[..., 2:5, 3:6] = 1
+    template, recording = TemplateActivations(1), TemplateActivations(1)
+    with torch.inference_mode():
+        template.put(0, 0, 0, BasicTransformerBlock.forward(block, x[:1], encoder_hidden_states=text[:1])[0])
+        layout = TokenLayout((TokenRow(RECORD, recording, 0, 0), TokenRow(REUSE, template, 0, 0,
+                                                                            computed_tokens(mask, 1))))
+        torch.cuda.synchronize()
+        context.layout = layout
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            out = block(x, encoder_hidden_states=text)
+            again = block(x, encoder_hidden_states=text)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+            context.layout = None
+    assert torch.equal(out, again) and context.computed_tokens == 2 * 9
+    # The reusing row: the recording outside its 9 masked tokens, the recording row its own output.
+    keep = mask.reshape(-1) == 0
+    assert torch.equal(out[1][keep], template.get(0, 0, 0)[keep])
+    assert torch.equal(recording.get(0, 0, 0), out[0])

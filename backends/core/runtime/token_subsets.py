@@ -82,11 +82,51 @@ class TokenLayout:
     # The blocks (their install index) in which REUSE rows take the recording; in the others they
     # run whole, exactly. None: every block (runtime/cache_plan.py decides).
     cached: frozenset[int] | None = None
+    # The device indices the blocks gather with, made at their first use in the step and shared by
+    # every block after it: one copy from pinned memory each, never a wait for the device.
+    _indices: dict = field(default_factory=dict, compare=False, repr=False)
 
     def whole(self) -> "TokenLayout":
         """Every row run whole, RECORD rows still recording: for a step that cannot split its rows
         (unmerged LoRA terms are added by row ranges)."""
         return TokenLayout(tuple(TokenRow(FULL) if r.role == REUSE else r for r in self.rows), self.cached)
+
+    def split(self, cached: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
+        """(rows run whole, REUSE rows on their masked tokens) in a block where the recording is
+        taken (`cached`) or not."""
+        reuse = tuple(i for i, r in enumerate(self.rows) if r.role == REUSE) if cached else ()
+        return tuple(i for i in range(len(self.rows)) if i not in reuse), reuse
+
+    def index(self, positions: tuple[int, ...], device: torch.device) -> torch.Tensor:
+        key = ("rows", positions, device)
+        if key not in self._indices:
+            self._indices[key] = _device_index(positions, device)
+        return self._indices[key]
+
+    def masked(self, positions: tuple[int, ...], tokens: int, device: torch.device):
+        """For the REUSE rows at `positions`, at a level of `tokens` tokens: each one's count of
+        computed tokens, those of them that compute any (places in `positions`), their device index,
+        and their tokens' indices [live, n], padded to the longest by repeating each row's last (a
+        token computed twice gives the same value twice)."""
+        key = ("masked", positions, tokens)
+        if key not in self._indices:
+            rows = [self.rows[i] for i in positions]
+            counts = [r.computed[tokens].numel() for r in rows]
+            live = tuple(k for k, n in enumerate(counts) if n)
+            sel = idx = None
+            if live:
+                n = max(counts)
+                idx = torch.stack([_padded(rows[k].computed[tokens], n) for k in live])
+                sel = self.index(live, device)
+            self._indices[key] = counts, live, sel, idx
+        return self._indices[key]
+
+
+def _device_index(values: tuple[int, ...], device: torch.device) -> torch.Tensor:
+    host = torch.tensor(values, dtype=torch.long)
+    if device.type != "cuda":
+        return host.to(device)
+    return host.pin_memory().to(device, non_blocking=True)  # a pageable copy would wait for the stream
 
 
 def computed_tokens(mask: torch.Tensor, levels: int) -> dict[int, torch.Tensor]:
@@ -163,52 +203,56 @@ def _run_rows(block, layout: TokenLayout, x: torch.Tensor, text: torch.Tensor) -
     from diffusers.models.attention import BasicTransformerBlock
 
     cached = layout.cached is None or block._subset_index in layout.cached
-    reuse = [i for i, r in enumerate(layout.rows) if r.role == REUSE and cached]
-    whole = [i for i in range(len(layout.rows)) if i not in reuse]
+    whole, reuse = layout.split(cached)
     if not cached:  # REUSE rows run this block whole: every token computed
         n = sum(r.role == REUSE for r in layout.rows) * x.shape[1]
         block._subset_context.computed_tokens += n
         block._subset_context.all_tokens += n
+    if not reuse:  # every row whole: nothing to gather
+        return _recorded(block, layout, whole, BasicTransformerBlock.forward(block, x, encoder_hidden_states=text))
     out = torch.empty_like(x)
     if whole:
-        idx = torch.tensor(whole, device=x.device)
+        idx = layout.index(whole, x.device)
         y = BasicTransformerBlock.forward(block, x.index_select(0, idx), encoder_hidden_states=text.index_select(0, idx))
-        out.index_copy_(0, idx, y)
-        for k, i in enumerate(whole):
-            r = layout.rows[i]
-            if r.role == RECORD:
-                r.activations.put(r.step, block._subset_index, r.row, y[k])
-    if reuse:
-        idx = torch.tensor(reuse, device=x.device)
-        out.index_copy_(0, idx, masked_rows(block, [layout.rows[i] for i in reuse], x.index_select(0, idx),
-                                        text.index_select(0, idx)))
+        out.index_copy_(0, idx, _recorded(block, layout, whole, y))
+    idx = layout.index(reuse, x.device)
+    out.index_copy_(0, idx, masked_rows(block, layout, reuse, x.index_select(0, idx), text.index_select(0, idx)))
     return out
 
 
-def masked_rows(block, rows: list[TokenRow], x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
-    """REUSE rows [R, L, C] through `block` at once, each computing its masked tokens only: their
-    indices padded to the longest by repeating each row's last (a token computed twice gives the
-    same value twice), a row with none taking the recording whole."""
+def _recorded(block, layout: TokenLayout, positions: tuple[int, ...], y: torch.Tensor) -> torch.Tensor:
+    """`y`, the block's output for the rows at `positions`, kept for those that record."""
+    for k, i in enumerate(positions):
+        r = layout.rows[i]
+        if r.role == RECORD:
+            r.activations.put(r.step, block._subset_index, r.row, y[k])
+    return y
+
+
+def masked_rows(block, layout: TokenLayout, positions: tuple[int, ...], x: torch.Tensor,
+                text: torch.Tensor) -> torch.Tensor:
+    """The REUSE rows at `positions` of the layout ([R, L, C] each of `x` and `text`) through
+    `block` at once, each computing its masked tokens only, a row with none taking the recording
+    whole."""
     tokens, width = x.shape[1], x.shape[2]
-    counts = [r.computed[tokens].numel() for r in rows]
+    counts, live, sel, idx = layout.masked(positions, tokens, x.device)
     context = block._subset_context
     context.computed_tokens += sum(counts)
-    context.all_tokens += tokens * len(rows)
+    context.all_tokens += tokens * len(positions)
+    rows = [layout.rows[i] for i in positions]
     y = torch.stack([r.activations.get(r.step, block._subset_index, r.row) for r in rows])
-    live = [k for k, n in enumerate(counts) if n]
     if not live:
         return y
-    n = max(counts)
-    idx = torch.stack([_padded(rows[k].computed[tokens], n) for k in live])
     at = idx.unsqueeze(-1).expand(-1, -1, width)
-    sel = torch.tensor(live, device=x.device)
-    x, text = x.index_select(0, sel), text.index_select(0, sel)
+    if len(live) < len(positions):
+        x, text = x.index_select(0, sel), text.index_select(0, sel)
     norm = block.norm1(x)
     h = x.gather(1, at) + block.attn1(norm.gather(1, at), encoder_hidden_states=norm)
     h = h + block.attn2(block.norm2(h), encoder_hidden_states=text)
     h = h + block.ff(block.norm3(h))
-    y[sel] = y[sel].scatter(1, at, h)
-    return y
+    if len(live) == len(positions):
+        return y.scatter_(1, at, h)
+    return y.index_copy_(0, sel, y.index_select(0, sel).scatter_(1, at, h))
 
 
 def _padded(indices: torch.Tensor, n: int) -> torch.Tensor:
