@@ -78,6 +78,35 @@ def test_a_template_is_recorded_once_and_its_edits_compute_their_masked_tokens(s
     assert np.abs(again - want).max() <= TOL
 
 
+def test_a_reusing_edit_and_text_to_image_share_a_step(setup):
+    """The runner gives each workflow its own rows of one UNet batch: a text-to-image request runs
+    every token beside an edit that computes its masked tokens only, and each equals itself alone
+    (the reusing edit its exact edit: the same request as its recording's)."""
+    import torch
+
+    from backends.core.engine.requests import DenoiseJob
+    from backends.core.request.params import Limits, validate
+
+    exact, cached, encoder, *_ = setup
+    edit = job(setup, "reuse", template="window")
+    want = latents(exact, dataclasses.replace(edit, edit=dataclasses.replace(edit.edit, template=None)))
+    latents(cached, job(setup, "record", template="window"))
+    params = validate({"prompt": "a cat", "steps": edit.params.steps, "width": edit.params.width,
+                       "height": edit.params.height, "seed": 1}, Limits())
+    text = DenoiseJob("t2i", params, *encoder.encode(params))
+    (text_alone,) = run(cached, [text])
+    context = cached.runtime.subsets
+    before = (context.computed_tokens, context.all_tokens)
+    states = [cached.start(text), cached.start(edit)]
+    assert states[1].template_use == "reused"
+    with torch.inference_mode():
+        while states[0].index < len(states[0].timesteps):
+            assert not cached.step(states)
+    assert 0 < context.computed_tokens - before[0] < context.all_tokens - before[1]
+    assert np.abs(cached.result(states[1]) - want).max() <= TOL
+    assert np.abs(cached.result(states[0]) - text_alone.latents).max() <= TOL
+
+
 def test_another_prompt_reuses_the_recording_within_the_measured_deviation(setup):
     exact, cached, *_ = setup
     latents(cached, job(setup, "record", template="porch"))

@@ -433,7 +433,8 @@ def test_a_policy_that_mixes_shapes_is_refused_loudly():
         s.schedule()
 
 
-def test_requests_of_two_workflows_never_share_a_step():
-    s = batcher(16, 16, seq("a"), dataclasses.replace(seq("b"), workflow="inpaint"), seq("c"))
+def test_template_edits_share_steps_only_with_each_other():
+    s = batcher(16, 16, seq("a"), dataclasses.replace(seq("b"), token_subsets=True), seq("c"),
+                dataclasses.replace(seq("d"), token_subsets=True))
     plans, _ = drain(s)
-    assert {p.request_ids for p in plans} == {("a", "c"), ("b",)}
+    assert {p.request_ids for p in plans} == {("a", "c"), ("b", "d")}

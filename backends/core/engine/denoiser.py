@@ -1,4 +1,4 @@
-"""The denoiser's runner: one batched denoising step for requests of one workflow.
+"""The denoiser's runner: one batched denoising step for requests of any workflows.
 
 It assembles the step (the workflow's UNet input, the ControlNet calls beside the encoder half,
 the batch's LoRAs, the StepBatch), runs the runtime's halves and hands the noise prediction back
@@ -23,7 +23,7 @@ from backends.core.engine.diffusers_schedulers import SchedulerPrototypes
 from backends.core.engine.lora_policy import LoraPolicy
 from backends.core.engine.template_cache import TemplateCache
 from backends.core.runtime.cache_plan import BlockProfile
-from backends.core.runtime.token_subsets import TokenLayout
+from backends.core.runtime.token_subsets import FULL, TokenLayout, TokenRow
 from backends.core.engine.requests import DenoiseJob, LatentSnapshot, RequestState
 from backends.core.engine.step_stats import DECODED, DECODER, ENCODED, ENCODER, SAMPLED, SAMPLER, StepClock
 from backends.core.engine.workflows import WORKFLOWS
@@ -103,12 +103,15 @@ class TorchDenoiser:
 
     @torch.inference_mode()
     def step(self, states: list[RequestState]) -> dict[str, str]:
-        """One denoising step for requests of one latent shape and one workflow, as one UNet batch.
+        """One denoising step for requests of one latent shape, as one UNet batch: each workflow's
+        requests are contiguous rows (in the order their workflows first appear in `states`).
         Returns the requests that failed (id -> why); the others have advanced."""
-        workflow = states[0].workflow
-        if any(s.workflow is not workflow for s in states):
-            raise ValueError(f"one step batches one workflow, not {sorted({s.workflow.name for s in states})}")
-        sample, timestep = workflow.model_input(states)
+        groups: dict = {}
+        for s in states:
+            groups.setdefault(s.workflow, []).append(s)
+        states = [s for group in groups.values() for s in group]
+        inputs = [workflow.model_input(group) for workflow, group in groups.items()]
+        sample, timestep = (torch.cat(parts) if len(parts) > 1 else parts[0] for parts in zip(*inputs))
         rows_per_request = tuple(s.rows for s in states)
         sides = self.runtime.row_sides(rows_per_request) if any(s.controls for s in states) else None
         # ControlNets take the latents alone: an inpainting UNet's input adds the mask and the masked
@@ -119,7 +122,7 @@ class TorchDenoiser:
         batch = StepBatch(sample, timestep, torch.cat([s.embeds for s in states]), torch.cat([s.pooled for s in states]),
                           torch.cat([s.time_ids for s in states]), lora_segments=lora_segments,
                           text_key=(self.loras.merged, tuple(s.serial for s in states)),
-                          rows_per_request=rows_per_request, tokens=self._tokens(workflow, states, lora_segments))
+                          rows_per_request=rows_per_request, tokens=self._tokens(groups, lora_segments))
         clock = self.clock
         clock.mark(ENCODER)
         enc = self.runtime.encode(batch)
@@ -132,7 +135,11 @@ class TorchDenoiser:
 
         live = [s for s in states if s.job.request_id not in failed]
         clock.mark(SAMPLER)
-        workflow.advance(states, noise_pred, failed)
+        start = 0
+        for workflow, group in groups.items():
+            rows = sum(s.rows for s in group)
+            workflow.advance(group, noise_pred[start:start + rows], failed)
+            start += rows
         clock.mark(SAMPLED)
         for s in live:
             s.index += 1
@@ -140,12 +147,16 @@ class TorchDenoiser:
         return failed
 
     @staticmethod
-    def _tokens(workflow, states, lora_segments) -> TokenLayout | None:
-        """The workflow's token subsets for this step (a workflow makes them only where the runtime
-        serves them: Model.token_subsets); run whole where unmerged LoRA terms are added by row
-        ranges, which subsets would split."""
-        tokens = workflow.tokens(states)
-        return tokens.whole() if tokens is not None and lora_segments else tokens
+    def _tokens(groups: dict, lora_segments) -> TokenLayout | None:
+        """The workflows' token subsets for this step (a workflow makes them only where the runtime
+        serves them: Model.token_subsets), every token of the rows of those that make none; run
+        whole where unmerged LoRA terms are added by row ranges, which subsets would split."""
+        parts = [(workflow.tokens(group), group) for workflow, group in groups.items()]
+        if all(layout is None for layout, _ in parts):
+            return None
+        tokens = TokenLayout.join([layout or TokenLayout((TokenRow(FULL),) * sum(s.rows for s in group))
+                                   for layout, group in parts])
+        return tokens.whole() if lora_segments else tokens
 
     def adopt_loras(self, loras: LoraSet) -> LoraSet:
         """LoRAs that arrived for a request, checked against the UNet (InvalidInput naming the

@@ -35,7 +35,10 @@ class SeqState:
     shape: tuple[int, int]  # latent (height, width): requests batch only with equal shapes
     rows: int  # UNet batch rows this request takes (2 with classifier-free guidance)
     arrival: float
-    workflow: str = "txt2img"  # requests batch only within one workflow (engine/workflows/)
+    # A template edit (it records or reuses activations: engine/workflows/inpaint.py): its steps run
+    # on the runtime's token-subset path (eager today), so it batches only with other such edits;
+    # every other request shares steps whatever its workflow.
+    token_subsets: bool = False
     steps_done: int = 0
     status: Status = Status.WAITING
     error: str | None = None
@@ -46,6 +49,11 @@ class SeqState:
     waited_at_bound: bool = False  # it was held at its bound at least once
     bound_wait_s: float = 0.0  # time held there, from the `now` of the plans that held and resumed it
     held_since: float | None = None
+
+    @property
+    def batch_key(self) -> tuple:
+        """Requests share a step only with requests of an equal key."""
+        return self.shape, self.token_subsets
 
     @property
     def runnable(self) -> bool:
@@ -84,7 +92,7 @@ class Policy(Protocol):
         """Which waiting requests join the running set now (at most `room`), in joining order."""
 
     def select(self, runnable: Sequence[SeqState], max_rows: int) -> list[SeqState]:
-        """The next step's batch: runnable requests of one latent shape and one workflow,
+        """The next step's batch: runnable requests of one `SeqState.batch_key`,
         `max_rows` rows at most, never empty when `runnable` is not."""
 
 
@@ -100,7 +108,7 @@ class Fcfs:
 
         lead = min(runnable, key=staleness)
         batch, rows = [], 0
-        for seq in sorted((s for s in runnable if (s.shape, s.workflow) == (lead.shape, lead.workflow)),
+        for seq in sorted((s for s in runnable if s.batch_key == lead.batch_key),
                           key=staleness):
             if rows + seq.rows > max_rows:
                 break
@@ -169,7 +177,7 @@ class StepBatcher:
             return None
 
         batch = self.policy.select(tuple(runnable), self.config.max_batch_rows)
-        shapes = {(s.shape, s.workflow) for s in batch}
+        shapes = {s.batch_key for s in batch}
         if not batch or len(shapes) != 1 or sum(s.rows for s in batch) > self.config.max_batch_rows \
                 or any(s not in runnable for s in batch):
             raise RuntimeError(f"policy {type(self.policy).__name__} chose an invalid batch "

@@ -91,6 +91,14 @@ class TokenLayout:
         (unmerged LoRA terms are added by row ranges)."""
         return TokenLayout(tuple(TokenRow(FULL) if r.role == REUSE else r for r in self.rows), self.cached)
 
+    @staticmethod
+    def join(parts: list["TokenLayout"]) -> "TokenLayout":
+        """One step's layout from its parts in batch order (one per workflow). The blocks that
+        reuse: the union of the plans of the parts with REUSE rows (every block where one plans none)."""
+        plans = [p.cached for p in parts if any(r.role == REUSE for r in p.rows)]
+        cached = None if not plans or any(c is None for c in plans) else frozenset().union(*plans)
+        return TokenLayout(tuple(r for p in parts for r in p.rows), cached)
+
     def split(self, cached: bool) -> tuple[tuple[int, ...], tuple[int, ...]]:
         """(rows run whole, REUSE rows on their masked tokens) in a block where the recording is
         taken (`cached`) or not."""
