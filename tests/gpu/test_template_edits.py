@@ -1,7 +1,8 @@
-"""Template edits (runtime/token_subsets.py) on the GPU's fast runtime, which serves their steps on
-its eager fallback: a recorded edit and the same edit reusing the recording both match the eager
-runtime's exact edit (fp32, 1e-4 relative, test_fast_runtime.py's whole-request tolerance), and
-the reused one computed a subset of the block tokens."""
+"""Template edits (runtime/token_subsets.py) on the GPU's fast runtime, which records on its eager
+fallback and reuses through CUDA graphs of the static token subsets: a recorded edit and the same
+edit reusing the recording both match the eager runtime's exact edit (fp32, 1e-4 relative,
+test_fast_runtime.py's whole-request tolerance), and the reused one computed a subset of the block
+tokens."""
 
 from __future__ import annotations
 
@@ -45,10 +46,14 @@ def test_a_reused_template_edit_on_the_fast_runtime_matches_the_exact_edit(repo)
     want, _ = run(eager, None)
     recorded, use = run(fast, "door")
     assert use == "recorded" and rel_err(recorded, want) <= 1e-4
+    graph_steps = fast_runtime.stats.graph_steps
     reused, use = run(fast, "door")
     assert use == "reused" and rel_err(reused, want) <= 1e-4
+    assert fast_runtime.stats.graph_steps - graph_steps == 5  # every reusing step a graph's replay
     context = fast_runtime.eager.subsets
     assert 0 < context.computed_tokens < context.all_tokens
+    again, use = run(fast, "door")  # the captured graphs again, refilled
+    assert use == "reused" and rel_err(again, want) <= 1e-4
 
 
 def test_a_block_serving_reusing_rows_never_waits_for_the_device():

@@ -60,6 +60,10 @@ class RuntimeConfig:
     # 27.80 -> 27.43 ms; the noise's error from fp16 unchanged at 3.1-3.2% (e4m3's rounding of the
     # operands dominates).
     fp8_fast_accum: bool = False
+    # Template edits' reusing steps as CUDA graphs of the eager modules, one pair per row bucket and
+    # token share (runtime/token_subsets.GRAPH_SHARES), captured when first needed (seconds, no
+    # compile); off: such steps run eager.
+    subset_graphs: bool = True
 
     def __post_init__(self):
         if self.kind not in RUNTIME_KINDS:

@@ -28,6 +28,7 @@ no host sync per step. Runtimes that cannot serve it refuse it (`RuntimeCaps.tok
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -200,6 +201,8 @@ def _subset_block_class():
                     or cross_attention_kwargs:
                 return super().forward(hidden_states, attention_mask, encoder_hidden_states, encoder_attention_mask,
                                        timestep, cross_attention_kwargs, class_labels, added_cond_kwargs)
+            if isinstance(layout, StaticSubsets):
+                return layout.run(self, hidden_states, encoder_hidden_states)
             return _run_rows(self, layout, hidden_states, encoder_hidden_states)
 
     return SubsetBlock
@@ -261,6 +264,93 @@ def masked_rows(block, layout: TokenLayout, positions: tuple[int, ...], x: torch
     if len(live) == len(positions):
         return y.scatter_(1, at, h)
     return y.index_copy_(0, sel, y.index_select(0, sel).scatter_(1, at, h))
+
+
+# The token shares a reusing step is padded up to under CUDA graphs: one graph pair per share and
+# row bucket, so a few shares keep captures few while a mask's padding stays within 1/16 of a level.
+GRAPH_SHARES = (1 / 16, 2 / 16, 3 / 16, 4 / 16, 6 / 16, 8 / 16, 12 / 16, 1.0)
+
+
+def graph_share(layout: TokenLayout) -> float | None:
+    """The smallest of GRAPH_SHARES that holds, at every level, every row's computed tokens (as
+    ceil(share x tokens)), for a step whose rows all REUSE; None where the static form cannot
+    serve it (another role, or a row computing no token at a level: it takes the recording whole,
+    which only the eager form does)."""
+    if not layout.rows or any(r.role != REUSE for r in layout.rows):
+        return None
+    need = 0.0
+    for r in layout.rows:
+        for tokens, indices in r.computed.items():
+            if indices.numel() == 0:
+                return None
+            need = max(need, indices.numel() / tokens)
+    return next(share for share in GRAPH_SHARES if need <= share + 1e-9)
+
+
+@dataclass
+class RecordedBuffers:
+    """What the static forms of one row count and size share: each block's buffer of recorded
+    outputs [rows, tokens, width], and each block's token count (learned at their first run)."""
+
+    outputs: dict[int, torch.Tensor] = field(default_factory=dict)
+    tokens: dict[int, int] = field(default_factory=dict)
+
+
+class StaticSubsets:
+    """A reusing step's token subsets in fixed buffers, which CUDA graphs read: per level, each
+    row's token indices [rows, ceil(share x tokens)] (padded by repeating its last); per block,
+    each row's recorded output (`RecordedBuffers`). The buffers are made at the first run (a
+    capture's warm-up, eager); then `fill(layout)` copies a step's into them on the stream, and
+    the blocks read nothing else."""
+
+    def __init__(self, rows: int, share: float, cached: frozenset[int] | None, context: SubsetContext,
+                 buffers: RecordedBuffers):
+        self.rows, self.share, self.cached, self.context, self.buffers = rows, share, cached, context, buffers
+        self.indices: dict[int, torch.Tensor] = {}  # tokens -> [rows, n]
+
+    def takes(self, block: int) -> bool:
+        return self.cached is None or block in self.cached
+
+    def run(self, block, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
+        from diffusers.models.attention import BasicTransformerBlock
+
+        index, (tokens, width) = block._subset_index, x.shape[1:]
+        self.buffers.tokens[index] = tokens
+        if not self.takes(index):
+            return BasicTransformerBlock.forward(block, x, encoder_hidden_states=text)
+        idx = self.indices.get(tokens)
+        if idx is None:
+            n = min(tokens, math.ceil(self.share * tokens - 1e-6))
+            idx = self.indices[tokens] = torch.zeros((self.rows, n), dtype=torch.long, device=x.device)
+        y = self.buffers.outputs.get(index)
+        if y is None:
+            y = self.buffers.outputs[index] = torch.zeros_like(x)
+        at = idx.unsqueeze(-1).expand(-1, -1, width)
+        norm = block.norm1(x)
+        h = x.gather(1, at) + block.attn1(norm.gather(1, at), encoder_hidden_states=norm)
+        h = h + block.attn2(block.norm2(h), encoder_hidden_states=text)
+        h = h + block.ff(block.norm3(h))
+        return y.scatter(1, at, h)
+
+    def fill(self, layout: TokenLayout) -> None:
+        """The step's indices and recorded outputs into the buffers (rows past the layout's keep
+        what they hold: a graph's spare rows are dropped), and its tokens counted."""
+        dst, src = [], []
+        for r, row in enumerate(layout.rows):
+            for tokens, buf in self.indices.items():
+                dst.append(buf[r])
+                src.append(_padded(row.computed[tokens], buf.shape[1]))
+            for block, buf in self.buffers.outputs.items():
+                if self.takes(block):
+                    dst.append(buf[r])
+                    src.append(row.activations.get(row.step, block, row.row))
+        if dst:  # (none where the plan leaves every block whole)
+            torch._foreach_copy_(dst, src)
+        context, rows = self.context, len(layout.rows)
+        for block, tokens in self.buffers.tokens.items():
+            taken = self.takes(block)
+            context.computed_tokens += sum(r.computed[tokens].numel() for r in layout.rows) if taken else rows * tokens
+            context.all_tokens += rows * tokens
 
 
 def _padded(indices: torch.Tensor, n: int) -> torch.Tensor:

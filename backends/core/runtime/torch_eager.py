@@ -60,15 +60,27 @@ class EagerUNetRuntime:
         if batch.tokens is None:
             yield
             return
+        with self.token_layout(batch.tokens):
+            yield
+
+    @contextmanager
+    def token_layout(self, layout):
+        """The transformer blocks serve `layout` (a TokenLayout, or the static form CUDA graphs
+        capture) while this is entered; they are made able to at the first call."""
+        context = self.subset_context()
+        context.layout = layout
+        try:
+            yield
+        finally:
+            context.layout = None
+
+    def subset_context(self):
+        """The transformer blocks' SubsetContext (runtime/token_subsets.py), installed at the first call."""
         if self.subsets is None:
             from backends.core.runtime.token_subsets import install
 
             self.subsets = install(self.weights_module)
-        self.subsets.layout = batch.tokens
-        try:
-            yield
-        finally:
-            self.subsets.layout = None
+        return self.subsets
 
     def _loras(self, batch: StepBatch):
         if not batch.lora_segments:

@@ -13,7 +13,11 @@ which on the H200 host made the step loop CPU-bound (eager 60-84 ms against 44 m
 What runs eager instead (through the eager runtime over the very same modules and weights):
 - batches that mix LoRA sets (unmerged low-rank terms are forward hooks, which graphs do not see);
 - more rows than the largest bucket;
-- a shape without a bucket when misses are not captured (`compiled`: capturing means compiling).
+- a shape without a bucket when misses are not captured (`compiled`: capturing means compiling);
+- template edits' steps that record, or mix roles (runtime/token_subsets.py). Steps whose rows all
+  reuse a recording run as graphs of the eager modules, one pair per row bucket and token share
+  (`GRAPH_SHARES`), captured at first use under either runtime (no compile); their buckets' static
+  token indices and recorded outputs are filled before each replay (`StaticSubsets.fill`).
 LoRA merges write into the weights' own memory, so captured graphs see them (tested on the GPU).
 All graphs of a runtime share one memory pool: they never run concurrently, and the static
 buffers stay referenced, so the pool never hands them out twice.
@@ -37,6 +41,7 @@ from backends.core.runtime.compile_cache import use_compile_cache
 from backends.core.runtime.config import RuntimeConfig
 from backends.core.runtime.cuda_graphs import capture
 from backends.core.runtime.packed_attention import pack_attention
+from backends.core.runtime.token_subsets import RecordedBuffers, StaticSubsets, graph_share
 from backends.core.runtime.torch_eager import EagerUNetRuntime
 
 log = logging.getLogger(__name__)
@@ -61,6 +66,7 @@ class _Bucket:
         self.encoder: torch.cuda.CUDAGraph | None = None
         self.enc_out: tuple | None = None  # (emb, mid, skips), written by each replay
         self.decoders: dict[bool, tuple] = {}  # with residuals? -> (graph, noise, residual buffers)
+        self.subsets: StaticSubsets | None = None  # a reusing step's bucket: the token subsets its graphs read
 
     def load(self, batch: StepBatch) -> None:
         n = batch.rows
@@ -85,11 +91,12 @@ class FastUNetRuntime:
         self.weight_copies = eager.weight_copies
         self.streams = ()
         self.side_devices = eager.side_devices
-        # Token subsets (template edits) run on the eager fallback, as batches that mix LoRAs do.
+        # Token subsets (template edits): graphs for reusing steps, else the eager fallback.
         self.caps = RuntimeCaps(name=config.kind, graphs=True, compiled=config.kind == "compiled", token_subsets=True)
         self.stats = eager.stats  # one account: the eager runtime counts the steps it runs for us
         self.pool = torch.cuda.graph_pool_handle()
         self.buckets: dict[tuple, _Bucket] = {}
+        self._recorded: dict[tuple, RecordedBuffers] = {}  # (h, w, rows) -> what reusing buckets share
         if config.fused_kernels:
             from plugins import use_fused_kernels
 
@@ -221,8 +228,10 @@ class FastUNetRuntime:
         return (*batch.latent_shape, rows, batch.text.shape[1], batch.sample.dtype)
 
     def _bucket(self, batch: StepBatch) -> _Bucket | None:
-        if batch.lora_segments or batch.tokens is not None:
+        if batch.lora_segments:
             return None
+        if batch.tokens is not None:
+            return self._subset_bucket(batch)
         rows = self.bucket_rows(batch.rows)
         if rows is None:
             return None
@@ -245,6 +254,29 @@ class FastUNetRuntime:
         self._captured(start, "encoder", rows)
         return bucket
 
+    def _subset_bucket(self, batch: StepBatch) -> _Bucket | None:
+        """A reusing step's bucket (captured at its first use: eager modules, no compile), filled
+        with the step's indices and recorded outputs; None: the step runs eager."""
+        share = graph_share(batch.tokens) if self.config.subset_graphs else None
+        rows = self.bucket_rows(batch.rows)
+        if share is None or rows is None:
+            return None
+        key = (*self._key(batch, rows), share, batch.tokens.cached)
+        bucket = self.buckets.get(key)
+        if bucket is None:
+            start = time.perf_counter()
+            buffers = self._recorded.setdefault((*batch.latent_shape, rows), RecordedBuffers())
+            bucket = _Bucket(batch, rows, self.config.uses_channels_last, self._text_rows(batch, rows))
+            bucket.subsets = StaticSubsets(rows, share, batch.tokens.cached, self.eager.subset_context(), buffers)
+            self._load(batch, bucket)
+            args = (bucket.sample, bucket.timestep, bucket.text, bucket.pooled, bucket.time_ids)
+            with self.eager.token_layout(bucket.subsets):
+                bucket.encoder, bucket.enc_out = capture(self.eager.encoder, args, self.pool, False, WARMUP_RUNS)
+            self.buckets[key] = bucket
+            self._captured(start, f"encoder (token share {share:g})", rows)
+        bucket.subsets.fill(batch.tokens)
+        return bucket
+
     def _text_rows(self, batch: StepBatch, rows: int) -> torch.Tensor:
         """A bucket's text buffer: without packing its own; with packing the packed-projection
         buffer of buckets of `rows` rows, which latent sizes share: graphs never run concurrently,
@@ -261,13 +293,18 @@ class FastUNetRuntime:
     def _capture_decoder(self, bucket: _Bucket, with_res: bool, force: bool = False) -> bool:
         if with_res in bucket.decoders:
             return True
-        if not (force or self.config.miss_captures):
+        subsets = bucket.subsets
+        if not (force or self.config.miss_captures or subsets is not None):
             return False
         start = time.perf_counter()
         emb, mid, skips = bucket.enc_out
         buffers = ([torch.zeros_like(s) for s in skips], torch.zeros_like(mid)) if with_res else None
-        graph, noise = capture(self.dec_fn, (emb, mid, skips, bucket.text, *(buffers or (None, None))), self.pool,
-                               self.caps.compiled, WARMUP_RUNS)
+        args = (emb, mid, skips, bucket.text, *(buffers or (None, None)))
+        if subsets is None:
+            graph, noise = capture(self.dec_fn, args, self.pool, self.caps.compiled, WARMUP_RUNS)
+        else:
+            with self.eager.token_layout(subsets):
+                graph, noise = capture(self.eager.decoder, args, self.pool, False, WARMUP_RUNS)
         bucket.decoders[with_res] = (graph, noise, buffers)
         self._captured(start, "decoder (with residuals)" if with_res else "decoder", bucket.rows)
         return True
