@@ -274,6 +274,9 @@ class FastUNetRuntime:
                 bucket.encoder, bucket.enc_out = capture(self.eager.encoder, args, self.pool, False, WARMUP_RUNS)
             self.buckets[key] = bucket
             self._captured(start, f"encoder (token share {share:g})", rows)
+            # The decoder's too, now: its blocks' buffers are made by its capture's warm-up, and
+            # this step's fill must reach them.
+            self._capture_decoder(bucket, False)
         bucket.subsets.fill(batch.tokens)
         return bucket
 
