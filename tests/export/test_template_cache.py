@@ -107,6 +107,25 @@ def test_a_reusing_edit_and_text_to_image_share_a_step(setup):
     assert np.abs(cached.result(states[0]) - text_alone.latents).max() <= TOL
 
 
+def test_a_recording_over_the_device_budget_is_streamed_from_host_memory(setup):
+    """A recording larger than the device's budget moves to host memory once recorded; an edit
+    that reuses it reads it step by step (engine/template_stream.py) and gets what the edit
+    reusing it from the device gets (the same request: its exact edit), its every byte counted."""
+    from backends.core.engine.template_cache import TemplateCache
+
+    exact, cached, *_ = setup
+    folder = cached.folder
+    streaming = TorchDenoiser(folder, Placement(), templates=TemplateCache("cpu", device_bytes=1, host_bytes=1 << 30))
+    edit = job(setup, "reuse", template="gable")
+    want = latents(exact, dataclasses.replace(edit, edit=dataclasses.replace(edit.edit, template=None)))
+    latents(streaming, job(setup, "record", template="gable"))
+    cache = streaming.templates
+    assert cache.nbytes("device") == 0 and cache.nbytes("host") > 0  # moved down at once
+    got = latents(streaming, edit)
+    assert cache.stats.hits["host"] == 1 and cache.stats.loaded_bytes["host"] == cache.nbytes("host")
+    assert np.abs(got - want).max() <= TOL
+
+
 def test_another_prompt_reuses_the_recording_within_the_measured_deviation(setup):
     exact, cached, *_ = setup
     latents(cached, job(setup, "record", template="porch"))

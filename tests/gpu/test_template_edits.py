@@ -20,11 +20,20 @@ from tests.gpu.test_fast_runtime import eager_and_graphs_denoisers, no_tf32, rel
 pytestmark = pytest.mark.gpu
 
 
-def test_a_reused_template_edit_on_the_fast_runtime_matches_the_exact_edit(repo):  # noqa: F811
+@pytest.mark.parametrize("streamed", [False, True])
+def test_a_reused_template_edit_on_the_fast_runtime_matches_the_exact_edit(repo, streamed):  # noqa: F811
+    """`streamed`: the recording is over the device's budget, kept in pinned host memory and
+    copied to the device a step ahead on the load stream (engine/template_stream.py)."""
     import numpy as np
+
+    from backends.core.engine.denoiser import TorchDenoiser
+    from backends.core.engine.template_cache import TemplateCache
 
     where = Placement("cuda:0", "fp32")
     eager, fast, fast_runtime, encoder = eager_and_graphs_denoisers(repo)
+    if streamed:
+        fast = TorchDenoiser(repo / "denoiser" / "1", where, runtime=fast_runtime,
+                             templates=TemplateCache("cuda:0", device_bytes=1, host_bytes=1 << 30))
     params = validate({"prompt": "a red door", "steps": 5, "width": 64, "height": 64, "seed": 4, "strength": 1.0},
                       Limits())
     embeds, pooled = encoder.encode(params)
@@ -54,6 +63,8 @@ def test_a_reused_template_edit_on_the_fast_runtime_matches_the_exact_edit(repo)
     assert 0 < context.computed_tokens < context.all_tokens
     again, use = run(fast, "door")  # the captured graphs again, refilled
     assert use == "reused" and rel_err(again, want) <= 1e-4
+    if streamed:
+        assert fast.templates.stats.hits["host"] == 2 and fast.templates.nbytes("device") == 0
 
 
 def test_a_block_serving_reusing_rows_never_waits_for_the_device():

@@ -67,19 +67,27 @@ class TemplateCache:
         self._loading: dict[str, Future] = {}  # recordings on their way to the device
         self._loader: ThreadPoolExecutor | None = None
         self._stream = None  # the loader's CUDA stream
+        self._step_stream = None  # edits' copies of streamed recordings (load_stream)
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._index_folder()
 
     def take(self, key: tuple, rows: int) -> tuple[bool, TemplateActivations | Future]:
-        """(True, the recording on the device) for an edit that reuses one; (True, a Future of it)
-        when it is in a lower tier (its load started, or joined); (False, a new one to fill)."""
+        """(True, the recording on the device) for an edit that reuses one; (True, the recording in
+        host memory) when it is over the device's budget: the edit streams it step by step
+        (engine/template_stream.py); (True, a Future of either) when it is in a lower tier (its load
+        started, or joined); (False, a new one to fill)."""
         name = _key_text(key)
         with self._lock:
             kept = self._tiers["device"].get(name)
             if kept is not None and kept.complete:
                 self.stats.hits["device"] += 1
                 self._tiers["device"].move_to_end(name)
+                return True, kept
+            kept = self._streamed(name)
+            if kept is not None:
+                self.stats.hits["host"] += 1
+                self._tiers["host"].move_to_end(name)
                 return True, kept
             future = self._start_load(name, count=True)
             if future is not None:
@@ -94,8 +102,27 @@ class TemplateCache:
         name = _key_text(key)
         with self._lock:
             kept = self._tiers["device"].get(name)
-            if kept is None or not kept.complete:
+            if (kept is None or not kept.complete) and self._streamed(name) is None:
                 self._start_load(name, count=False)
+
+    def load_stream(self) -> torch.cuda.Stream | None:
+        """The stream edits copy streamed recordings on (the loop's thread; None on a CPU)."""
+        if self.device.type != "cuda":
+            return None
+        if self._step_stream is None:
+            self._step_stream = torch.cuda.Stream(self.device)
+        return self._step_stream
+
+    def streamed_bytes(self, nbytes: int) -> None:
+        """An edit copied this much of a streamed recording to the device."""
+        with self._lock:
+            self.stats.loaded_bytes["host"] += nbytes
+
+    def _streamed(self, name: str) -> TemplateActivations | None:
+        """(Under the lock.) The recording in host memory, if edits stream it from there: it is
+        over the device's budget."""
+        kept = self._tiers["host"].get(name)
+        return kept if kept is not None and kept.nbytes > self.budgets["device"] else None
 
     def close(self) -> None:
         if self._loader is not None:
@@ -168,7 +195,8 @@ class TemplateCache:
                 continue
             total -= kept.nbytes
             if tier == "device" and self.budgets["host"]:
-                self._tiers["host"][name] = _moved(kept, torch.device("cpu"), pin=self.device.type == "cuda")
+                self._tiers["host"][name] = _moved(kept, torch.device("cpu"), pin=self.device.type == "cuda",
+                                                   host=True)
 
     def _load(self, tier: str, name: str, kept) -> TemplateActivations:
         """(The loader thread.) Read (disk) and copy to the device on the loader's own stream, then
@@ -181,6 +209,8 @@ class TemplateCache:
                 recording = _from_file(load_file(str(kept.path), device="cpu"), kept.path)
             else:
                 recording = kept
+            if recording.nbytes > self.budgets["device"]:  # (from disk) edits stream it from host memory
+                return self._to_host(name, recording)
             if self.device.type == "cuda":
                 if self._stream is None:
                     self._stream = torch.cuda.Stream(self.device)
@@ -207,6 +237,19 @@ class TemplateCache:
             with self._lock:
                 self.stats.load_seconds += time.perf_counter() - start
                 self._loading.pop(name, None)
+
+    def _to_host(self, name: str, recording: TemplateActivations) -> TemplateActivations:
+        """(The loader thread.) A recording read from disk, pinned, into the host tier (kept there
+        while it fits its budget)."""
+        host = _moved(recording, torch.device("cpu"), pin=self.device.type == "cuda", host=True)
+        with self._lock:
+            self.stats.loaded_bytes["disk"] += host.nbytes
+            if name in self._tiers["disk"]:
+                self._tiers["disk"].move_to_end(name)
+            self._tiers["host"][name] = host
+            self._tiers["host"].move_to_end(name)
+            self._shed("host", keep=host if host.nbytes <= self.budgets["host"] else None)
+        return host
 
     def _write(self, name: str, recording: TemplateActivations) -> None:
         from safetensors.torch import save_file
@@ -248,7 +291,9 @@ def _key_text(key: tuple) -> str:
     return json.dumps(key, separators=(",", ":"))
 
 
-def _moved(recording: TemplateActivations, device: torch.device, pin: bool = False) -> TemplateActivations:
+def _moved(recording: TemplateActivations, device: torch.device, pin: bool = False,
+           host: bool = False) -> TemplateActivations:
+    """A copy on `device`; `host`: the copy is the host tier's (an edit streams it)."""
     if recording.written is not None:
         recording.written.synchronize()  # its last steps may still be queued on the engine's stream
 
@@ -256,7 +301,8 @@ def _moved(recording: TemplateActivations, device: torch.device, pin: bool = Fal
         t = t.to(device, non_blocking=device.type == "cuda")
         return t.pin_memory() if pin else t
 
-    return TemplateActivations(recording.rows, {k: move(t) for k, t in recording.outputs.items()}, complete=True)
+    return TemplateActivations(recording.rows, {k: move(t) for k, t in recording.outputs.items()}, complete=True,
+                               host=host)
 
 
 def _from_file(tensors: dict[str, torch.Tensor], path: Path) -> TemplateActivations:

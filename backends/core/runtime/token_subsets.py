@@ -48,6 +48,9 @@ class TemplateActivations:
     # On a GPU: an event after its last write on the engine's stream, which a copy made on another
     # thread's stream (the cache moving it between tiers) waits for.
     written: torch.cuda.Event | None = None
+    # Kept in host memory (the template cache's lower tier): an edit reads it step by step
+    # (engine/template_stream.py).
+    host: bool = False
 
     def put(self, step: int, block: int, row: int, output: torch.Tensor) -> None:
         kept = self.outputs.get((step, block))

@@ -25,6 +25,7 @@ import torch
 
 from backends.core.engine import noise
 from backends.core.engine.requests import DenoiseJob, EditInputs, RequestState
+from backends.core.engine.template_stream import StreamedActivations
 from backends.core.engine.workflows.txt2img import Txt2Img
 from backends.core.request.params import InvalidInput
 from backends.core.runtime.host_copies import to_device
@@ -46,7 +47,7 @@ class InpaintState(RequestState):
     # (REUSE) the tokens it computes at each level, made at admission.
     template_role: str = FULL
     template_key: tuple | None = None
-    recording: TemplateActivations | None = None
+    recording: TemplateActivations | StreamedActivations | None = None
     computed: dict[int, torch.Tensor] | None = None
     loading: Future | None = None  # its recording on its way to the device (the loop holds it until then)
 
@@ -106,7 +107,7 @@ class Inpaint(Txt2Img):
             if isinstance(recording, Future):
                 state.loading = recording
             else:
-                state.recording = recording
+                state.recording = self._readable(recording)
             state.template_role = REUSE if reuse else RECORD
             state.template_use = "reused" if reuse else "recorded"
             if reuse:
@@ -125,16 +126,27 @@ class Inpaint(Txt2Img):
         """Its recording's load ended: reuse it, or (it failed: a file gone) run exactly."""
         future, state.loading = state.loading, None
         try:
-            state.recording = future.result()
-            self.model.adopt(state.recording.outputs.values())  # (copied on the cache's stream)
+            state.recording = self._readable(future.result())
+            if not isinstance(state.recording, StreamedActivations):
+                self.model.adopt(state.recording.outputs.values())  # (copied on the cache's stream)
         except Exception as exc:
             log.warning("template recording could not be loaded (%s); request %s runs exactly", exc,
                         state.job.request_id)
             state.template_role, state.template_use, state.computed, state.token_share = FULL, "exact", None, 1.0
 
+    def _readable(self, recording: TemplateActivations) -> TemplateActivations | StreamedActivations:
+        """A recording as the blocks read it: on the device as it is; from host memory, streamed."""
+        m = self.model
+        if not recording.host:
+            return recording
+        return StreamedActivations(recording, m.device, m.templates.load_stream(), m.templates.streamed_bytes)
+
     def tokens(self, states) -> TokenLayout | None:
         if all(s.template_role == FULL for s in states):
             return None
+        for s in states:
+            if s.template_role == REUSE and isinstance(s.recording, StreamedActivations):
+                s.recording.prepare(s.index, len(s.timesteps) - 1)
         rows = tuple(TokenRow(s.template_role, s.recording, s.index, r, s.computed)
                      for s in states for r in range(s.rows))
         return TokenLayout(rows, self._cached_blocks(states))

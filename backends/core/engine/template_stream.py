@@ -1,0 +1,81 @@
+"""A template's recording read from host memory step by step (InstGenIE's loading beside compute).
+
+An SDXL recording at 1024 px with guidance is 21 GB (0.42 GB a step): more than a device budget
+should hold for one template. A reusing edit whose recording is in (pinned) host memory and over
+the device budget (engine/template_cache.py) reads it through `StreamedActivations`: at the
+assembly of step k, step k's outputs (copied earlier) are made ready for the compute stream, which
+waits for their copy's event on the GPU (the host never waits), and step k+1's copy is issued on
+the template cache's load stream into the other of two device buffers, so it runs beside step k's
+compute. The buffer it writes was last read by step k-1: the copy waits for an event recorded on
+the compute stream after that step's kernels.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Callable
+
+import torch
+
+from backends.core.runtime.token_subsets import TemplateActivations
+
+
+class StreamedActivations:
+    """What a reusing edit's blocks read (`get`, as TemplateActivations's) for the step that
+    `prepare` made ready, from a recording in host memory."""
+
+    def __init__(self, host: TemplateActivations, device: torch.device, stream: torch.cuda.Stream | None,
+                 loaded: Callable[[int], None] = lambda nbytes: None):
+        """`stream`: the load stream (None on a CPU: copies are made in place); `loaded(nbytes)`
+        counts the bytes copied (the cache's metrics)."""
+        self.host, self.device, self.stream, self.loaded = host, device, stream, loaded
+        self.rows = host.rows
+        self._steps: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)  # step -> block -> [rows, L, C]
+        for (step, block), t in host.outputs.items():
+            self._steps[step][block] = t
+        self._buffers: list[dict[int, torch.Tensor] | None] = [None, None]  # by step parity
+        self._ready: dict[int, torch.cuda.Event | None] = {}  # steps issued -> their copy's event
+
+    @property
+    def complete(self) -> bool:
+        return self.host.complete
+
+    def get(self, step: int, block: int, row: int) -> torch.Tensor:
+        return self._buffers[step % 2][block][row]
+
+    def prepare(self, step: int, last: int) -> None:
+        """(The loop thread, assembling `step`, before its kernels are queued.) The step's outputs
+        ready for the compute stream; the next one's copy started, unless `step` is the `last`."""
+        if step not in self._ready:
+            self._issue(step)
+        event = self._ready.pop(step)
+        if event is not None:
+            torch.cuda.current_stream(self.device).wait_event(event)
+        if step < last and step + 1 not in self._ready:
+            self._issue(step + 1)
+
+    def _issue(self, step: int) -> None:
+        outputs = self._steps[step]
+        buffers = self._buffers[step % 2]
+        if buffers is None:
+            buffers = self._buffers[step % 2] = {b: torch.empty_like(t, device=self.device) for b, t in outputs.items()}
+            if self.stream is not None:  # written on the load stream, freed with the request on ours
+                for t in buffers.values():
+                    t.record_stream(self.stream)
+        if self.stream is None:
+            for b, t in outputs.items():
+                buffers[b].copy_(t)
+            self._ready[step] = None
+        else:
+            # After every kernel queued on the compute stream so far: the last step that read this
+            # buffer (two before `step`) is among them.
+            read = torch.cuda.Event()
+            read.record(torch.cuda.current_stream(self.device))
+            self.stream.wait_event(read)
+            with torch.cuda.stream(self.stream):
+                for b, t in outputs.items():
+                    buffers[b].copy_(t, non_blocking=True)
+                done = torch.cuda.Event()
+                done.record(self.stream)
+            self._ready[step] = done
+        self.loaded(sum(t.numel() * t.element_size() for t in outputs.values()))
