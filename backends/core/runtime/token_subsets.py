@@ -227,7 +227,8 @@ def _run_rows(block, layout: TokenLayout, x: torch.Tensor, text: torch.Tensor) -
     out = torch.empty_like(x)
     if whole:
         idx = layout.index(whole, x.device)
-        y = BasicTransformerBlock.forward(block, x.index_select(0, idx), encoder_hidden_states=text.index_select(0, idx))
+        y = BasicTransformerBlock.forward(block, x.index_select(0, idx),
+                                          encoder_hidden_states=text.index_select(0, idx))
         out.index_copy_(0, idx, _recorded(block, layout, whole, y))
     idx = layout.index(reuse, x.device)
     out.index_copy_(0, idx, masked_rows(block, layout, reuse, x.index_select(0, idx), text.index_select(0, idx)))
