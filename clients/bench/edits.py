@@ -271,7 +271,7 @@ def open_loop(url: str, setup, template: bytes, rate: float, count: int, seed: i
 def serving(setup, model: Path, routing: str, denoisers: int):
     """A repository of `model` with a template cache and `routing` (easel export --routing),
     served by tritonserver for the block; yields (server, start seconds)."""
-    from clients.bench.harness import start_server
+    from clients.bench.servers import start_server
     from export.repository import ExportOptions, export_repository
 
     top = max(setup.concurrency)
@@ -285,7 +285,7 @@ def serving(setup, model: Path, routing: str, denoisers: int):
     repo = setup.work / f"repo-edits-{routing}"
     export_repository(model, repo, options)
     if setup.shared_compile_cache:
-        from clients.bench.harness import share_compile_cache
+        from clients.bench.servers import share_compile_cache
 
         share_compile_cache(repo, setup.work / "compile-cache")
     server, start_s = start_server(repo, setup)

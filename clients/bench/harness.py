@@ -1,14 +1,18 @@
 """`easel bench`: Easel through tritonserver against what a diffusers user runs, in one run.
 
-One configuration per run (`--controlnets M --loras N`, default 0C/0L), SDXL base's architecture
-with random fp16 weights (no model hub here: the cost is real, the pictures are noise):
+One configuration (`--controlnets M --loras N`, default 0C/0L) or several (`--configs`) per run,
+SDXL base's architecture with random fp16 weights (no model hub here: the cost is real, the
+pictures are noise):
 
 - Easel: write the model, export the repository with the chosen UNet runtime, start tritonserver
   twice (launch -> ready with the compile cache empty, then again on the same repository with it
   warm: cold start), then through gRPC: a warm-up request, `--runs` single requests (p50/p95 and
   the server's stage breakdown), throughput at each `--concurrency` (c clients at once, a few
   rounds), and the server's Prometheus metrics (every easel_* family, Triton's per-model
-  inference counters and GPU gauges).
+  inference counters and GPU gauges), as deltas over the configuration's own requests. With both
+  diffusers baselines skipped, the run's configurations share one server (clients/bench/servers.py),
+  its repository exported for the most ControlNets and LoRAs of any of them: the first one's start
+  is the run's cold start.
 - diffusers, after the server has stopped (never both on the GPU at once), on the same weights,
   dtype, size, steps, seeds and scheduler (EulerDiscreteScheduler, as the request's `euler`):
   eager StableDiffusionXLPipeline (latency; throughput as one call batching c prompts), then the
@@ -29,12 +33,9 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import dataclasses
 import datetime
 import json
 import logging
-import os
-import shutil
 import signal
 import sys
 import threading
@@ -45,16 +46,15 @@ from pathlib import Path
 
 import numpy as np
 
-from clients.bench.models import (CONTROLNET_NAMES, LORA_SCALE, LORA_STD, PROMPT, RESULTS_DIR, SCHEDULER,
-                                SERVER_CACHE_ENV, Setup, control_images, driver_version, free_gpu, gpu_name,
-                                gpu_slug, now, parser, resolve_all, versions)
+from clients.bench.models import (CONTROLNET_NAMES, LORA_SCALE, LORA_STD, PROMPT, RESULTS_DIR, SCHEDULER, Setup,
+                                control_images, driver_version, free_gpu, gpu_name, gpu_slug, now, parser,
+                                resolve_all, shares_server, versions)
 from clients.bench.diffusers_baseline import measure_diffusers
 from clients.bench.report import (GUIDANCE, LABELS, SYSTEMS, image_path, load_results, markdown, percentile, phase,
                                 plot, secs, times, write_report)
+from clients.bench.servers import Servers, metrics_snapshot, total
 
 log = logging.getLogger("easel.bench")
-
-METRIC_PREFIXES = ("easel_", "nv_inference_", "nv_gpu_")
 
 
 def config_entry(results: dict, setup: Setup, skip: set[str] = frozenset()) -> dict:
@@ -88,26 +88,33 @@ def config_entry(results: dict, setup: Setup, skip: set[str] = frozenset()) -> d
 
 
 def prepare(setup: Setup) -> dict:
-    """The model, and the ControlNets and LoRAs of this configuration in `<work>/adapters`."""
+    """The model, and the ControlNets and LoRAs its repository serves (Setup.served_*) in
+    `<work>/adapters`; own_adapters() picks the configuration's own."""
     from clients.bench.common import random_sdxl, tiny, write_controlnets
     from clients.bench.adapters import write_loras
 
     start = time.perf_counter()
     model = tiny(setup.work) if setup.smoke else random_sdxl(setup.work)
     out = {"model": model, "store": None, "controlnets": [], "loras": [], "write_model_s": time.perf_counter() - start}
-    if setup.controlnets or setup.loras:
-        store = setup.work / "adapters"
+    store = setup.adapter_store
+    if store is not None:
         out["store"] = store
-        names = [CONTROLNET_NAMES[i] if i < len(CONTROLNET_NAMES) else f"cn{i}" for i in range(setup.controlnets)]
+        names = [CONTROLNET_NAMES[i] if i < len(CONTROLNET_NAMES) else f"cn{i}"
+                 for i in range(setup.served_controlnets)]
         write_controlnets(model, store, names, device=setup.torch_device, dtype=setup.dtype,
                           **({"embedding_channels": (4, 8, 8, 16)} if setup.smoke else {}))
         out["controlnets"] = names
-        if setup.loras:
-            out["loras"] = write_loras(store, model / "unet", [setup.lora_mib] * setup.loras, LORA_STD,
+        if setup.served_loras:
+            out["loras"] = write_loras(store, model / "unet", [setup.lora_mib] * setup.served_loras, LORA_STD,
                                        setup.torch_device)
     free_gpu(setup)
     out["adapters_s"] = time.perf_counter() - start - out["write_model_s"]
     return out
+
+
+def own_adapters(setup: Setup, prep: dict) -> dict:
+    """`prep` with the first ControlNets and LoRAs, as many as the configuration's requests use."""
+    return {**prep, "controlnets": prep["controlnets"][:setup.controlnets], "loras": prep["loras"][:setup.loras]}
 
 
 def fingerprint(model: Path) -> str:
@@ -129,27 +136,6 @@ def fingerprint(model: Path) -> str:
 # --- Easel -----------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _server_environment(rec: dict):
-    """The server's compile cache is the repository's own: a TORCHINDUCTOR_CACHE_DIR or
-    TRITON_CACHE_DIR in this environment (set by the user or by an earlier compile in this
-    process) would point it elsewhere, so they are left out while servers start."""
-    saved = {k: os.environ.pop(k) for k in SERVER_CACHE_ENV if k in os.environ}
-    if saved:
-        rec["env_removed_for_server"] = saved
-    try:
-        yield
-    finally:
-        os.environ.update(saved)
-
-
-def metrics_snapshot(port: int) -> dict[str, dict[str, float]]:
-    """Every metric family whose name starts with METRIC_PREFIXES: name -> {labels: value}."""
-    from clients.serve import scrape_metrics
-
-    return dict(sorted(scrape_metrics(port, prefixes=METRIC_PREFIXES).items()))
-
-
 # Families that must hold every step of the requests answered so far before a snapshot is a
 # boundary between phases: on a GPU the denoiser reads a step's times once its events complete
 # (at a later step, or when the loop idles) and publishes them every half second, so a snapshot
@@ -163,7 +149,7 @@ def settled_snapshot(read, quiet_s: float = SETTLE_QUIET_S, timeout_s: float = S
                      sleep=time.sleep) -> dict[str, dict[str, float]]:
     """`read()` again until SETTLING's totals stay the same over `quiet_s` (or `timeout_s` passes)."""
     def counts(snapshot):
-        return tuple(_total(snapshot, name) for name in SETTLING)
+        return tuple(total(snapshot, name) for name in SETTLING)
 
     snapshot, waited = read(), 0.0
     while waited < timeout_s:
@@ -177,11 +163,6 @@ def settled_snapshot(read, quiet_s: float = SETTLE_QUIET_S, timeout_s: float = S
     return snapshot
 
 
-def _total(snapshot: dict | None, name: str) -> float | None:
-    values = (snapshot or {}).get(name)
-    return sum(values.values()) if values else None
-
-
 def controlnet_breakdown(before: dict, after: dict) -> dict | None:
     """Where a ControlNet call's time went over the latency requests (one at a time), from the
     metrics' deltas: the denoiser's BLS wall time per call, the service's compute (inputs to
@@ -191,7 +172,7 @@ def controlnet_breakdown(before: dict, after: dict) -> dict | None:
     hand-off: Triton and the residuals' transfer) and taking the residuals (`outputs`). None
     without ControlNet calls."""
     def delta(name):
-        return (_total(after, name) or 0.0) - (_total(before, name) or 0.0)
+        return (total(after, name) or 0.0) - (total(before, name) or 0.0)
 
     calls = delta("easel_controlnet_calls_total")
     if not calls:
@@ -203,7 +184,7 @@ def controlnet_breakdown(before: dict, after: dict) -> dict | None:
            "decoder_wait_ms_per_step": 1000 * delta("easel_controlnet_wait_seconds_total") / steps if steps else None,
            "session_misses": delta("easel_controlnet_session_misses_total"),
            "graph_replays": delta("easel_controlnet_graph_replays_total")}
-    if _total(after, "easel_controlnet_call_exec_seconds_total") is not None:  # a server that reports the parts
+    if total(after, "easel_controlnet_call_exec_seconds_total") is not None:  # a server that reports the parts
         parts = {p: delta(f"easel_controlnet_call_{p}_seconds_total") for p in ("ready", "exec", "outputs")}
         out.update({f"{p}_ms": 1000 * v / calls for p, v in parts.items()},
                    handoff_ms=1000 * (parts["exec"] - compute) / calls)
@@ -243,138 +224,56 @@ def controlnet_ideal(before: dict, after: dict, controlnets: int, breakdown: dic
             "ideal_speedup": serial / ideal, "speedup": serial / actual, "of_ideal": ideal / actual}
 
 
-def share_compile_cache(repo: Path, shared: Path) -> Path:
-    """Point the compile cache of every model that compiles (denoisers, the ControlNet service) at
-    one folder: inductor's cache is content-addressed and safe for several processes."""
-    from export.repository import VERSION
-
-    shared.mkdir(parents=True, exist_ok=True)
-    for model in repo.iterdir():
-        if model.name.startswith("denoiser") or model.name == "controlnet":
-            link = model / VERSION / "compile_cache"
-            (model / VERSION).mkdir(exist_ok=True)
-            if not link.exists():
-                link.symlink_to(shared.resolve(), target_is_directory=True)
-    return shared
-
-
-def _folder_bytes(root: Path, name: str) -> int:
-    return sum(f.stat().st_size for d in root.rglob(name) if d.is_dir() for f in d.rglob("*") if f.is_file())
-
-
-def start_server(repo: Path, setup: Setup):
-    from clients.serve import TritonServer
-
-    server = TritonServer(repo, http_port=0, grpc_port=0, metrics_port=0, ready_timeout=setup.ready_timeout,
-                          cuda_pool_mib=setup.cuda_pool_mib)
-    start = time.perf_counter()
-    server.start()
-    try:
-        server.wait_ready()
-    except BaseException:  # ServerStartError (with the log's tail), or an interrupt
-        server.stop()
-        raise
-    return server, time.perf_counter() - start
-
-
-def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> None:
-    from clients.client import EaselClient
-    from export.repository import ExportOptions, export_repository
-
-    repo = setup.work / f"repo-{setup.name.replace('/', '-')}"
-    if repo.exists():  # a fresh export: the compile cache of the first start is empty
-        shutil.rmtree(repo)
-    store = prep["store"]
-    extra = dict(row_buckets=setup.row_buckets) if setup.row_buckets else {}
-    if setup.fused_kernels:
-        extra["fused_kernels"] = True
-    if setup.vae_dtype:
-        extra["vae_dtype"] = setup.vae_dtype
-    if setup.fp8:
-        extra["fp8"] = setup.fp8
-        extra["fp8_fast_accum"] = setup.fp8_fast_accum
-    top = max(setup.concurrency)
-    options = ExportOptions(
-        device=setup.device, dtype=setup.dtype, gpus=setup.gpus, cfg_parallel=setup.cfg_parallel,
-        max_size=max(setup.size, 64),
-        max_steps=max(150, setup.steps, setup.throughput_steps), runtime=setup.runtime, warmup_sizes=(setup.size,),
-        max_in_flight=max(56, top + 48), max_running=max(16, top), max_batch_rows=max(16, 2 * top),
-        adapters=str(store) if store else None, max_controlnets=max(3, setup.controlnets),
-        max_loras=max(3, setup.loras), controlnet_instances=max(1, setup.controlnets),
-        controlnet_gpus=setup.controlnet_gpus, controlnet_row_split=setup.controlnet_row_split, **extra)
-    buckets = options.resolved_row_buckets
-    rows = top if setup.cfg_parallel else 2 * top  # each GPU of a pair runs half the rows
-    if rows > max(buckets):
-        log.warning("concurrency %d needs %d UNet rows a GPU; the largest bucket is %d (more rows run eager)",
-                    top, rows, max(buckets))
-    rec.update(date=now(), runtime=setup.resolved_runtime, row_buckets=list(buckets),
-               export_options=dataclasses.asdict(options), repo=str(repo))
-    start = time.perf_counter()
-    export_repository(prep["model"], repo, options)
-    rec["export_s"] = time.perf_counter() - start
-    log.info("Easel %s: exported (%s runtime) in %.1fs", setup.name, rec["runtime"], rec["export_s"])
-    save()
-
+def easel_request(setup: Setup, prep: dict) -> dict:
+    """The request's fields besides prompt, steps and seed: size, guidance, and its adapters."""
     controls = {}
     if prep["controlnets"]:
         controls.update(controlnets=tuple(prep["controlnets"]),
                         control_images=tuple(control_images(setup, len(prep["controlnets"]))))
     if prep["loras"]:
         controls.update(loras=tuple(x["name"] for x in prep["loras"]), lora_scales=(LORA_SCALE,) * len(prep["loras"]))
-    request = dict(width=setup.size, height=setup.size, guidance_scale=GUIDANCE, scheduler=SCHEDULER, **controls)
+    return dict(width=setup.size, height=setup.size, guidance_scale=GUIDANCE, scheduler=SCHEDULER, **controls)
 
-    if setup.shared_compile_cache:
-        rec["shared_compile_cache"] = str(share_compile_cache(repo, setup.work / "compile-cache"))
-    with _server_environment(rec):
-        server, first_s = start_server(repo, setup)
-        try:
-            rec["cold_start_s"] = {"first": first_s}
-            rec["metrics"] = {"first_start_ready": metrics_snapshot(server.metrics_port)}
-            if not setup.shared_compile_cache:  # again on the same repository, its compile cache now warm
-                stop = time.perf_counter()
-                server.stop()
-                rec["first_stop_s"] = time.perf_counter() - stop
-                rec["compile_cache_bytes_after_first_start"] = _folder_bytes(repo, "compile_cache")
-                log.info("Easel first start (compile cache empty): %.1fs", first_s)
-                save()
-                server, rec["cold_start_s"]["second"] = start_server(repo, setup)
-                rec["metrics"]["ready"] = metrics_snapshot(server.metrics_port)
-        except BaseException:
-            server.stop()
-            raise
+
+# Counters read as deltas over a configuration's own requests (a shared server's totals hold the
+# earlier configurations' too).
+COUNTERS = {"graph_steps": "easel_runtime_graph_steps_total", "eager_steps": "easel_runtime_eager_steps_total",
+            "captures": "easel_runtime_captures_total", "controlnet_calls": "easel_controlnet_calls_total",
+            "steps": "easel_denoiser_step_rows_count"}
+
+
+def counter_deltas(before: dict, after: dict) -> dict[str, float | None]:
+    """COUNTERS from `before` to `after`; None where the server does not report one."""
+    return {k: None if total(after, name) is None else total(after, name) - (total(before, name) or 0.0)
+            for k, name in COUNTERS.items()}
+
+
+def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save, servers: Servers) -> None:
+    """Easel on the server of `setup`'s repository (started now, or by an earlier configuration
+    of the run); the counters it reads are deltas over this configuration's own requests."""
+    from clients.client import EaselClient
+
+    rec.update(date=now(), runtime=setup.resolved_runtime)
+    served = servers.get(setup, prep["model"], rec, save)
+    server = served.server
+    request = easel_request(setup, prep)
+
+    def snapshot():
+        return settled_snapshot(lambda: metrics_snapshot(server.metrics_port))
+
     try:
-        rec["runtime_warmup_s"] = {
-            "first": _total(rec["metrics"]["first_start_ready"], "easel_runtime_warmup_seconds"),
-            "second": _total(rec["metrics"]["ready"], "easel_runtime_warmup_seconds") if "ready" in rec["metrics"]
-            else None}
-        log.info("Easel start(s): %s", {k: round(v, 1) for k, v in rec["cold_start_s"].items()})
         rec["tritonserver"] = server_version(server.url_grpc)
+        rec.setdefault("metrics", {})["before"] = snapshot()
         save()
 
         with EaselClient(server.url_grpc, protocol="grpc") as client:  # the GPU image lacks gevent (HTTP)
             start = time.perf_counter()
             client.generate("warm up", steps=2, seed=0, **request)
             rec["warmup_request_s"] = time.perf_counter() - start
-            rec["metrics"]["after_warmup"] = settled_snapshot(lambda: metrics_snapshot(server.metrics_port))
-            rec["latency_s"], rec["infos"] = [], []
-            for seed in range(setup.runs):
-                start = time.perf_counter()
-                result = client.generate(PROMPT, steps=setup.steps, seed=seed, **request)
-                rec["latency_s"].append(time.perf_counter() - start)
-                rec["infos"].append(result.info)
-                if seed == 0:
-                    result.save(image_path(images, setup.name, "easel", rec["runtime"]))
-                log.info("Easel seed %d: %.3fs (denoise %.3fs)", seed, rec["latency_s"][-1],
-                         result.info.get("stages_s", {}).get("denoise_s", float("nan")))
-        # The server's own total (preprocess in to the image encoded) and the denoiser's queue beside the
-        # stages: the client's time less server_total_s is gRPC and the public model's entry and exit.
-        stages = []
-        for i in rec["infos"]:
-            beside = {"queue_s": i.get("queue_s"), "admit_s": i.get("admit_s"), "server_total_s": i.get("total_s")}
-            stages.append({**(i.get("stages_s") or {}), **{k: v for k, v in beside.items() if v is not None}})
-        rec["stages_median_s"] = {k: float(np.median([s[k] for s in stages if k in s]))
-                                  for k in sorted({k for s in stages for k in s})}
-        rec["metrics"]["after_latency"] = settled_snapshot(lambda: metrics_snapshot(server.metrics_port))
+            rec["metrics"]["after_warmup"] = snapshot()
+            measure_latency(setup, client, request, images, rec)
+        rec["stages_median_s"] = stages_median(rec["infos"])
+        rec["metrics"]["after_latency"] = snapshot()
         rec["controlnet_per_call"] = controlnet_breakdown(rec["metrics"]["after_warmup"], rec["metrics"]["after_latency"])
         rec["controlnet_ideal"] = controlnet_ideal(rec["metrics"]["after_warmup"], rec["metrics"]["after_latency"],
                                                    setup.controlnets, rec["controlnet_per_call"])
@@ -384,16 +283,39 @@ def measure_easel(setup: Setup, prep: dict, images: Path, rec: dict, save) -> No
         for c in setup.concurrency:
             rec["throughput"][str(c)] = easel_throughput(server.url_grpc, c, setup, request)
             save()
-        rec["metrics"]["after_throughput"] = settled_snapshot(lambda: metrics_snapshot(server.metrics_port))
-        rec["runtime_steps"] = {k: _total(rec["metrics"]["after_throughput"], f"easel_runtime_{k}_total")
-                                for k in ("graph_steps", "eager_steps", "captures")}
+        rec["metrics"]["after_throughput"] = snapshot()
+        rec["counters"] = counter_deltas(rec["metrics"]["before"], rec["metrics"]["after_throughput"])
+        rec["runtime_steps"] = {k: rec["counters"][k] for k in ("graph_steps", "eager_steps", "captures")}
     except BaseException:
         # The server's own account of a failure (a stub that died says why only in its log).
         rec["server_log_tail"] = server.log_text()[-20000:]
         raise
     finally:
-        server.stop()
+        servers.release(setup)
     save()
+
+
+def measure_latency(setup: Setup, client, request: dict, images: Path, rec: dict) -> None:
+    rec["latency_s"], rec["infos"] = [], []
+    for seed in range(setup.runs):
+        start = time.perf_counter()
+        result = client.generate(PROMPT, steps=setup.steps, seed=seed, **request)
+        rec["latency_s"].append(time.perf_counter() - start)
+        rec["infos"].append(result.info)
+        if seed == 0:
+            result.save(image_path(images, setup.name, "easel", rec["runtime"]))
+        log.info("Easel seed %d: %.3fs (denoise %.3fs)", seed, rec["latency_s"][-1],
+                 result.info.get("stages_s", {}).get("denoise_s", float("nan")))
+
+
+def stages_median(infos: list[dict]) -> dict[str, float]:
+    """The server's own total (preprocess in to the image encoded) and the denoiser's queue beside the
+    stages: the client's time less server_total_s is gRPC and the public model's entry and exit."""
+    stages = []
+    for i in infos:
+        beside = {"queue_s": i.get("queue_s"), "admit_s": i.get("admit_s"), "server_total_s": i.get("total_s")}
+        stages.append({**(i.get("stages_s") or {}), **{k: v for k, v in beside.items() if v is not None}})
+    return {k: float(np.median([s[k] for s in stages if k in s])) for k in sorted({k for s in stages for k in s})}
 
 
 def server_version(url: str) -> str | None:
@@ -455,7 +377,7 @@ def easel_throughput(url: str, c: int, setup: Setup, request: dict) -> dict:
 # --- main ------------------------------------------------------------------------------------
 
 
-def run(setup: Setup, out: Path, skip: set[str], argv: list[str]) -> int:
+def run(setup: Setup, out: Path, skip: set[str], argv: list[str], servers: Servers) -> int:
     started = time.perf_counter()
     gpu = gpu_name(setup)
     images = out / "images"
@@ -474,13 +396,13 @@ def run(setup: Setup, out: Path, skip: set[str], argv: list[str]) -> int:
     def save():
         write_report(results, out)
 
-    prep = prepare(setup)
+    prep = own_adapters(setup, prepare(setup))
     entry.update(write_model_s=prep["write_model_s"], adapters_s=prep["adapters_s"],
                  model_fingerprint=fingerprint(prep["model"]), lora_files=prep["loras"],
                  controlnet_names=prep["controlnets"])
     log.info("%s: model ready in %.1fs, adapters in %.1fs", setup.name, prep["write_model_s"], prep["adapters_s"])
     failed = 0
-    phases = [("easel", lambda rec: measure_easel(setup, prep, images, rec, save)),
+    phases = [("easel", lambda rec: measure_easel(setup, prep, images, rec, save, servers)),
               ("diffusers_eager", lambda rec: measure_diffusers(setup, prep, images, rec, save, compiled=False)),
               ("diffusers_compiled", lambda rec: measure_diffusers(setup, prep, images, rec, save, compiled=True))]
     for system, measure in phases:
@@ -592,8 +514,9 @@ def main(argv: list[str] | None = None) -> int:
             print(out / "edits.json")
             return 0
         code = 0
-        for each in setups:  # configurations one after another, into the same results
-            code |= run(each, out, skip, argv)
+        with Servers(keep=shares_server(args)) as servers:
+            for each in setups:  # configurations one after another, into the same results
+                code |= run(each, out, skip, argv, servers)
     finally:
         if previous is not None:
             signal.signal(signal.SIGTERM, previous)

@@ -157,6 +157,15 @@ class Setup:
     vae_dtype: str | None = None
     fp8: tuple[str, ...] = ()
     fp8_fast_accum: bool = False
+    # What the run's repository is exported for: the most of any configuration sharing its server
+    # (None: this configuration's own). Never fewer than the configuration's own.
+    served_controlnets: int | None = None
+    served_loras: int | None = None
+
+    def __post_init__(self):
+        for own, served in (("controlnets", "served_controlnets"), ("loras", "served_loras")):
+            given = getattr(self, served)
+            object.__setattr__(self, served, max(getattr(self, own), given or 0))
 
     @property
     def name(self) -> str:
@@ -172,7 +181,18 @@ class Setup:
         return {"gpus": list(self.denoiser_gpus),
                 "controlnet_gpus": list(self.controlnet_gpus) if self.controlnet_gpus else None,
                 "cfg_parallel": [list(p) for p in self.cfg_parallel] or None,
-                **({"controlnet_row_split": True} if self.controlnet_row_split else {})}
+                **({"controlnet_row_split": True} if self.controlnet_row_split else {}),
+                # a configuration measured on a larger repository than its own is another entry
+                "served": self.served_name if self.served_name != self.name else None}
+
+    @property
+    def served_name(self) -> str:
+        return f"{self.served_controlnets}C/{self.served_loras}L"
+
+    @property
+    def adapter_store(self) -> Path | None:
+        """Where prepare() writes the served ControlNets and LoRAs (None: no adapters served)."""
+        return self.work / "adapters" if self.served_controlnets or self.served_loras else None
 
     @property
     def torch_device(self) -> str:
@@ -191,14 +211,24 @@ class Setup:
         return self.rounds or (2 if self.smoke else max(2, 8 // c))
 
 
+def shares_server(args: argparse.Namespace) -> bool:
+    """Whether the run's configurations share one tritonserver: only when no diffusers baseline
+    needs the GPU between them."""
+    return bool(args.skip_diffusers_eager and args.skip_diffusers_compiled)
+
+
 def resolve_all(args: argparse.Namespace) -> list[Setup]:
-    """One Setup per configuration: --configs, or the one --controlnets/--loras name."""
+    """One Setup per configuration: --configs, or the one --controlnets/--loras name. When they
+    share a server, each is served by a repository sized for the most adapters of any of them."""
     setup = resolve(args)
     if args.configs is None:
         return [setup]
     if args.controlnets or args.loras:
         raise SystemExit("easel bench: give --configs or --controlnets/--loras, not both")
-    return [dataclasses.replace(setup, controlnets=c, loras=n) for c, n in args.configs]
+    shared = shares_server(args)
+    most = (max(c for c, _ in args.configs), max(n for _, n in args.configs))
+    return [dataclasses.replace(setup, controlnets=c, loras=n, served_controlnets=most[0] if shared else c,
+                                served_loras=most[1] if shared else n) for c, n in args.configs]
 
 
 def resolve(args: argparse.Namespace) -> Setup:

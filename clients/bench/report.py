@@ -202,15 +202,18 @@ def markdown(results: dict) -> str:
     lines += ["", "## Cold start", "",
               "Easel: launch to ready, first start with the repository's compile cache empty, second start on the "
               "same repository. Runtime warm-up: `easel_runtime_warmup_seconds` (capturing/compiling buckets at load). "
-              "diffusers: the first call of the compiled UNet (compiling included).", "",
-              "| configuration | Easel runtime | export s | first start s | second start s | runtime warm-up s "
+              "diffusers: the first call of the compiled UNet (compiling included). Configurations that shared a "
+              "server were served by one repository exported for the most adapters of any of them; its export and "
+              "starts are the first one's.", "",
+              "| configuration | Easel runtime | server | export s | first start s | second start s | runtime warm-up s "
               "(first / second) | diffusers load s | diffusers compile + first call s |",
-              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
-    for e in configs:
+              "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for e, shared in zip(configs, server_sharing(configs)):
         easel = e.get("easel") or {}
         warm = easel.get("runtime_warmup_s") or {}
         compiled = e.get("diffusers_compiled") or {}
-        lines.append(f"| {e['name']} | {e.get('easel_runtime') or 'n/a'} | {secs(easel.get('export_s'), 1)} "
+        server = f"shared with {', '.join(shared)}" if shared else "own" if easel else "n/a"
+        lines.append(f"| {e['name']} | {e.get('easel_runtime') or 'n/a'} | {server} | {secs(easel.get('export_s'), 1)} "
                      f"| {secs(e.get('cold_start_first_s'), 1)} | {secs(e.get('cold_start_second_s'), 1)} "
                      f"| {secs(warm.get('first'), 1)} / {secs(warm.get('second'), 1)} "
                      f"| {secs((e.get('diffusers_eager') or {}).get('load_s'), 1)} "
@@ -233,6 +236,13 @@ def markdown(results: dict) -> str:
     lines += ["", "Plots: `latency.png` (p50, whiskers to p95), `throughput.png`. Raw samples, per-request `info`, "
               "and the server's metrics: `results.json`.", ""]
     return "\n".join(lines)
+
+
+def server_sharing(configs: list[dict]) -> list[list[str]]:
+    """For each configuration, the others Easel measured on the same tritonserver (`easel.server.id`)."""
+    ids = [((e.get("easel") or {}).get("server") or {}).get("id") for e in configs]
+    return [[other["name"] for other, its in zip(configs, ids) if its == mine and other is not e] if mine else []
+            for e, mine in zip(configs, ids)]
 
 
 def _session_runs(results: dict) -> list[str]:
@@ -339,8 +349,9 @@ def write_report(results: dict, out: Path, final: bool = False) -> None:
     """results.json and results.md as far as measured (a time limit still leaves them); the final
     write also compares the images and draws the plots."""
     out.mkdir(parents=True, exist_ok=True)
-    for entry in results["configs"]:
+    for entry, shared in zip(results["configs"], server_sharing(results["configs"])):
         finalize(entry, out / "images" if final else None)
+        entry["easel_server_shared_with"] = shared
     (out / "results.json").write_text(json.dumps(results, indent=2, default=str))
     (out / "results.md").write_text(markdown(results))
     if final:

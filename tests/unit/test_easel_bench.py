@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from clients.bench import harness as easel_bench, models as bench_setup, report as bench_report
+from clients.bench import harness as easel_bench, models as bench_setup, report as bench_report, servers as bench_servers
 
 
 def _config(name, compiled=True):
@@ -214,12 +214,12 @@ def test_shared_compile_cache_links_the_compiling_models_and_voids_cold_start(tm
     repo = tmp_path / "repo"
     for model in ("denoiser_gpu0", "denoiser_gpu2", "controlnet", "text_encoder", "vae_decoder"):
         (repo / model / "1").mkdir(parents=True)
-    shared = easel_bench.share_compile_cache(repo, tmp_path / "work" / "compile-cache")
+    shared = bench_servers.share_compile_cache(repo, tmp_path / "work" / "compile-cache")
     linked = sorted(p.parent.parent.name for p in repo.glob("*/1/compile_cache"))
     assert linked == ["controlnet", "denoiser_gpu0", "denoiser_gpu2"]
     (repo / "controlnet" / "1" / "compile_cache" / "kernel").write_text("x")
     assert (shared / "kernel").read_text() == "x"  # one folder behind every link
-    assert easel_bench.share_compile_cache(repo, shared) == shared  # again: the links stay
+    assert bench_servers.share_compile_cache(repo, shared) == shared  # again: the links stay
     assert bench_setup.resolve(bench_setup.parser().parse_args(["--shared-compile-cache"])).shared_compile_cache
     # Its starts are not cold starts: the report leaves them out.
     entry = _config("0C/0L")
