@@ -9,7 +9,8 @@ import sys
 from backends.core.serving.routing import MEASURES as ROUTING_MEASURES
 
 
-def _gib_triple(text: str) -> tuple[float, float, float]:
+def gib_triple(text: str) -> tuple[float, float, float]:
+    """An argparse type: --template-cache-gib's DEVICE,HOST,DISK."""
     try:
         values = tuple(float(v) for v in text.split(","))
     except ValueError:
@@ -113,7 +114,7 @@ def parser() -> argparse.ArgumentParser:
                      help="steps a request may run while its LoRAs load (0: wait for them; exact)")
     exp.add_argument("--lora-loaders", type=int, default=2,
                      help="processes per denoiser that load LoRA files (in parallel; one that crashes is replaced)")
-    exp.add_argument("--template-cache-gib", type=_gib_triple, default=(8.0, 0.0, 0.0), metavar="DEVICE,HOST,DISK",
+    exp.add_argument("--template-cache-gib", type=gib_triple, default=(8.0, 0.0, 0.0), metavar="DEVICE,HOST,DISK",
                      help="GiB per denoiser of templates' recorded activations (the `template` input) on the "
                           "device, in host memory and on disk (<denoiser>/1/template_cache/; kept across restarts) "
                           "(default: 8,0,0)")

@@ -268,9 +268,9 @@ def open_loop(url: str, setup, template: bytes, rate: float, count: int, seed: i
 
 
 @contextlib.contextmanager
-def serving(setup, model: Path, routing: str, denoisers: int):
-    """A repository of `model` with a template cache and `routing` (easel export --routing),
-    served by tritonserver for the block; yields (server, start seconds)."""
+def serving(setup, model: Path, routing: str, denoisers: int, cache_gib: tuple[float, float, float]):
+    """A repository of `model` with a template cache of `cache_gib` and `routing` (easel export
+    --routing), served by tritonserver for the block; yields (server, start seconds)."""
     from clients.bench.servers import start_server
     from export.repository import ExportOptions, export_repository
 
@@ -281,7 +281,7 @@ def serving(setup, model: Path, routing: str, denoisers: int):
                             max_steps=max(150, setup.steps, setup.throughput_steps),
                             max_in_flight=max(56, top + 48), max_running=max(16, top),
                             max_batch_rows=max(16, 2 * top),
-                            template_cache_gib=(1.0, 0.0, 0.0) if setup.smoke else GPU_TEMPLATE_CACHE_GIB, **place)
+                            template_cache_gib=cache_gib, **place)
     repo = setup.work / f"repo-edits-{routing}"
     export_repository(model, repo, options)
     if setup.shared_compile_cache:
@@ -302,8 +302,10 @@ def _fmt(value, unit: str = "s", digits: int = 3) -> str:
 def markdown(results: dict) -> str:
     """edits.json as Markdown tables (edits.md)."""
     eager, compiled = results.get("diffusers_eager") or {}, results.get("diffusers_compiled") or {}
+    cache = results.get("template_cache_gib")
+    cache = f"; template cache {','.join(f'{g:g}' for g in cache)} GiB (device,host,disk)" if cache else ""
     lines = [f"# Template edits ({results['device']}, gpus {results['gpus']}, {results['runtime']}; "
-             f"{results['size']} px, {results['steps']} steps, seed {results['seed']})", "",
+             f"{results['size']} px, {results['steps']} steps, seed {results['seed']}{cache})", "",
              "Random weights: the figures say what reusing a recording costs and how far it moves an image.", "",
              "## Latency per mask ratio (p50)", "",
              "| mask | exact | reusing | speed-up | PSNR (masked) | diffusers eager | diffusers compiled |",
@@ -386,10 +388,11 @@ def replot(out_dir: Path) -> list[Path]:
 
 
 def run_edits(setup, out_dir: Path, skip: set[str] = frozenset(), load_rates: tuple[float, ...] = (),
-              load_requests: int = 40) -> dict:
+              load_requests: int = 40, cache_gib: tuple[float, float, float] | None = None) -> dict:
     """Measures what the module's docstring says into `out_dir`/edits.json. With `load_rates`, the
     open-loop load at each rate, routed by predicted seconds (mask-aware) and by row-steps, on
-    every --gpus denoiser (two on the CPU)."""
+    every --gpus denoiser (two on the CPU). `cache_gib`: the template cache's budgets (export
+    --template-cache-gib)."""
     from clients.bench.common import tiny, random_sdxl
     from clients.client import EaselClient
 
@@ -402,13 +405,15 @@ def run_edits(setup, out_dir: Path, skip: set[str] = frozenset(), load_rates: tu
     results = {"size": setup.size, "steps": setup.steps, "throughput_steps": setup.throughput_steps,
                "runs": setup.runs, "device": setup.device, "gpus": list(setup.gpus), "runtime": setup.resolved_runtime,
                "seed": SEED, "latency": {}, "throughput": {}, "load": {}}
+    cache_gib = cache_gib or ((1.0, 0.0, 0.0) if setup.smoke else GPU_TEMPLATE_CACHE_GIB)
+    results["template_cache_gib"] = list(cache_gib)
     out_dir.mkdir(parents=True, exist_ok=True)
 
     def save():
         write_report(results, out_dir)
 
     for routing in ("seconds", "work") if load_rates else ("seconds",):
-        with serving(setup, model, routing, denoisers) as (server, start_s):
+        with serving(setup, model, routing, denoisers, cache_gib) as (server, start_s):
             results.setdefault("start_s", {})[routing] = start_s
             if routing == "seconds":
                 with EaselClient(server.url_grpc, protocol="grpc") as client:

@@ -510,7 +510,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.edit:
             from clients.bench.edits import run_edits
 
-            run_edits(setup, out, skip, args.load_rates, args.load_requests)
+            run_edits(setup, out, skip, args.load_rates, args.load_requests, args.template_cache_gib)
             print(out / "edits.json")
             return 0
         code = 0

@@ -15,7 +15,7 @@ import tempfile
 from pathlib import Path
 
 from clients.triton_install import DEFAULT_CUDA_POOL_MIB
-from export.cli import int_list
+from export.cli import gib_triple, int_list
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "bench" / "results"  # the checkout's
 PROMPT = "a yellow car"
@@ -84,6 +84,9 @@ def parser() -> argparse.ArgumentParser:
                    help="with --edit: edits a second arriving at random (Poisson) for an open-loop load at each "
                         "rate, routed by predicted seconds and by row-steps (export --routing) over two --gpus or more")
     p.add_argument("--load-requests", type=int, default=40, help="with --load-rates: edits at each rate")
+    p.add_argument("--template-cache-gib", type=gib_triple, default=None, metavar="DEVICE,HOST,DISK",
+                   help="with --edit: export --template-cache-gib (default 48,0,0 on a GPU: recordings stay on the "
+                        "device; 0,48,0 streams them from host memory)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="the whole run on CPU with the tiny model (fp32, eager, no torch.compile): tests the script")
     p.add_argument("--replot", type=Path, default=None, metavar="DIR",

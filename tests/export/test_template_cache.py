@@ -213,12 +213,12 @@ def test_the_export_flag_sizes_each_tier():
     import argparse
 
     from backends.core.engine.config import DenoiserConfig
-    from export.cli import _gib_triple
+    from export.cli import gib_triple
 
-    assert _gib_triple("8,16.5,100") == (8.0, 16.5, 100.0)
+    assert gib_triple("8,16.5,100") == (8.0, 16.5, 100.0)
     for bad in ("8,16", "a,b,c", "1,-1,0"):
         with pytest.raises(argparse.ArgumentTypeError, match="--template-cache-gib"):
-            _gib_triple(bad)
+            gib_triple(bad)
     config = DenoiserConfig.from_json(DenoiserConfig(template_cache_mib=(1024, 2048, 0)).to_json())
     assert config.template_cache_mib == (1024, 2048, 0)
     with pytest.raises(ValueError, match="denoiser.template_cache_mib"):
