@@ -433,8 +433,8 @@ def test_a_policy_that_mixes_shapes_is_refused_loudly():
         s.schedule()
 
 
-def test_template_edits_share_steps_only_with_each_other():
-    s = batcher(16, 16, seq("a"), dataclasses.replace(seq("b"), token_subsets=True), seq("c"),
-                dataclasses.replace(seq("d"), token_subsets=True))
+def test_template_edits_share_steps_only_with_edits_that_use_their_template_alike():
+    s = batcher(16, 16, seq("a"), dataclasses.replace(seq("b"), template="reused"), seq("c"),
+                dataclasses.replace(seq("d"), template="reused"), dataclasses.replace(seq("e"), template="recorded"))
     plans, _ = drain(s)
-    assert {p.request_ids for p in plans} == {("a", "c"), ("b", "d")}
+    assert {p.request_ids for p in plans} == {("a", "c"), ("b", "d"), ("e",)}

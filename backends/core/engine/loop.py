@@ -214,7 +214,7 @@ class DenoiseLoop:
             state.admit_s = time.monotonic() - started
             seq = SeqState(request_id=job.request_id, steps=len(state.timesteps),
                            shape=tuple(state.latents.shape[-2:]), rows=state.rows, arrival=job.arrival,
-                           token_subsets=state.template_use in ("recorded", "reused"))
+                           template=state.template_use if state.template_use in ("recorded", "reused") else None)
             self.batcher.add(seq)
         except Exception as exc:
             if failure_kind(exc) == "failed":  # our fault: its traceback (refusals: the adapter logs one line)

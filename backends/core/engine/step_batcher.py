@@ -35,10 +35,11 @@ class SeqState:
     shape: tuple[int, int]  # latent (height, width): requests batch only with equal shapes
     rows: int  # UNet batch rows this request takes (2 with classifier-free guidance)
     arrival: float
-    # A template edit (it records or reuses activations: engine/workflows/inpaint.py): its steps run
-    # on the runtime's token-subset path (eager today), so it batches only with other such edits;
-    # every other request shares steps whatever its workflow.
-    token_subsets: bool = False
+    # A template edit's use of its template (engine/workflows/inpaint.py): "recorded" or "reused";
+    # None for every other request, which shares steps whatever its workflow. Steps that record run
+    # eager, steps whose rows all reuse run as their own graphs, and a step mixing kinds would run
+    # eager for all its rows: each kind batches only with its own.
+    template: str | None = None
     steps_done: int = 0
     status: Status = Status.WAITING
     error: str | None = None
@@ -53,7 +54,7 @@ class SeqState:
     @property
     def batch_key(self) -> tuple:
         """Requests share a step only with requests of an equal key."""
-        return self.shape, self.token_subsets
+        return self.shape, self.template
 
     @property
     def runnable(self) -> bool:
