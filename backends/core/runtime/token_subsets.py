@@ -216,7 +216,7 @@ def _run_rows(block, layout: TokenLayout, x: torch.Tensor, text: torch.Tensor) -
     the layout takes this block from the recording), the others whole (RECORD rows' outputs kept)."""
     from diffusers.models.attention import BasicTransformerBlock
 
-    cached = layout.cached is None or block._subset_index in layout.cached
+    cached = _takes(layout.cached, block._subset_index)
     whole, reuse = layout.split(cached)
     if not cached:  # REUSE rows run this block whole: every token computed
         n = sum(r.role == REUSE for r in layout.rows) * x.shape[1]
@@ -261,13 +261,24 @@ def masked_rows(block, layout: TokenLayout, positions: tuple[int, ...], x: torch
     at = idx.unsqueeze(-1).expand(-1, -1, width)
     if len(live) < len(positions):
         x, text = x.index_select(0, sel), text.index_select(0, sel)
-    norm = block.norm1(x)
-    h = x.gather(1, at) + block.attn1(norm.gather(1, at), encoder_hidden_states=norm)
-    h = h + block.attn2(block.norm2(h), encoder_hidden_states=text)
-    h = h + block.ff(block.norm3(h))
+    h = _masked_tokens(block, x, text, at)
     if len(live) == len(positions):
         return y.scatter_(1, at, h)
     return y.index_copy_(0, sel, y.index_select(0, sel).scatter_(1, at, h))
+
+
+def _masked_tokens(block, x: torch.Tensor, text: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """`block` on the tokens `at` ([R, n, C] gather indices) of `x`: queries, attention,
+    cross-attention and feed-forward on those tokens, keys and values on every token."""
+    norm = block.norm1(x)
+    h = x.gather(1, at) + block.attn1(norm.gather(1, at), encoder_hidden_states=norm)
+    h = h + block.attn2(block.norm2(h), encoder_hidden_states=text)
+    return h + block.ff(block.norm3(h))
+
+
+def _takes(cached: frozenset[int] | None, block: int) -> bool:
+    """Whether REUSE rows take `block` from the recording under the plan `cached` (None: all)."""
+    return cached is None or block in cached
 
 
 # The token shares a reusing step is padded up to under CUDA graphs: one graph pair per share and
@@ -282,13 +293,15 @@ def graph_share(layout: TokenLayout) -> float | None:
     which only the eager form does)."""
     if not layout.rows or any(r.role != REUSE for r in layout.rows):
         return None
-    need = 0.0
-    for r in layout.rows:
-        for tokens, indices in r.computed.items():
-            if indices.numel() == 0:
-                return None
-            need = max(need, indices.numel() / tokens)
-    return next(share for share in GRAPH_SHARES if need <= share + 1e-9)
+    counts = [(tokens, indices.numel()) for r in layout.rows for tokens, indices in r.computed.items()]
+    if any(n == 0 for _, n in counts):
+        return None
+    return next(share for share in GRAPH_SHARES if all(n <= share_tokens(share, tokens) for tokens, n in counts))
+
+
+def share_tokens(share: float, tokens: int) -> int:
+    """The tokens a level of `tokens` computes per row under `share` (rounded up)."""
+    return min(tokens, math.ceil(share * tokens - 1e-6))
 
 
 @dataclass
@@ -313,7 +326,7 @@ class StaticSubsets:
         self.indices: dict[int, torch.Tensor] = {}  # tokens -> [rows, n]
 
     def takes(self, block: int) -> bool:
-        return self.cached is None or block in self.cached
+        return _takes(self.cached, block)
 
     def run(self, block, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         from diffusers.models.attention import BasicTransformerBlock
@@ -324,17 +337,13 @@ class StaticSubsets:
             return BasicTransformerBlock.forward(block, x, encoder_hidden_states=text)
         idx = self.indices.get(tokens)
         if idx is None:
-            n = min(tokens, math.ceil(self.share * tokens - 1e-6))
-            idx = self.indices[tokens] = torch.zeros((self.rows, n), dtype=torch.long, device=x.device)
+            idx = self.indices[tokens] = torch.zeros((self.rows, share_tokens(self.share, tokens)), dtype=torch.long,
+                                                     device=x.device)
         y = self.buffers.outputs.get(index)
         if y is None:
             y = self.buffers.outputs[index] = torch.zeros_like(x)
         at = idx.unsqueeze(-1).expand(-1, -1, width)
-        norm = block.norm1(x)
-        h = x.gather(1, at) + block.attn1(norm.gather(1, at), encoder_hidden_states=norm)
-        h = h + block.attn2(block.norm2(h), encoder_hidden_states=text)
-        h = h + block.ff(block.norm3(h))
-        return y.scatter(1, at, h)
+        return y.scatter(1, at, _masked_tokens(block, x, text, at))
 
     def fill(self, layout: TokenLayout) -> None:
         """The step's indices and recorded outputs into the buffers (rows past the layout's keep

@@ -32,6 +32,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Mapping
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -244,15 +245,32 @@ class FastUNetRuntime:
             bucket = self._capture(batch, rows)
         return bucket
 
-    def _capture(self, batch: StepBatch, rows: int) -> _Bucket:
+    def _capture(self, batch: StepBatch, rows: int, key: tuple | None = None,
+                 subsets: StaticSubsets | None = None) -> _Bucket:
+        """A bucket of `rows` rows and its encoder graph, kept under `key` (default: _key's);
+        `subsets`: a reusing step's, whose graphs are of the eager halves."""
         start = time.perf_counter()
         bucket = _Bucket(batch, rows, self.config.uses_channels_last, self._text_rows(batch, rows))
+        bucket.subsets = subsets
         self._load(batch, bucket)
         args = (bucket.sample, bucket.timestep, bucket.text, bucket.pooled, bucket.time_ids)
-        bucket.encoder, bucket.enc_out = capture(self.enc_fn, args, self.pool, self.caps.compiled, WARMUP_RUNS)
-        self.buckets[self._key(batch, rows)] = bucket
-        self._captured(start, "encoder", rows)
+        fn, _, compiled = self._halves(bucket)
+        with self._layout(bucket):
+            bucket.encoder, bucket.enc_out = capture(fn, args, self.pool, compiled, WARMUP_RUNS)
+        self.buckets[key or self._key(batch, rows)] = bucket
+        self._captured(start, "encoder" if subsets is None else f"encoder (token share {subsets.share:g})", rows)
         return bucket
+
+    def _halves(self, bucket: _Bucket) -> tuple:
+        """(encoder, decoder, compiled) that a bucket's graphs capture: a reusing step's are the
+        eager halves (their blocks serve the static token subsets), others the runtime's own."""
+        if bucket.subsets is not None:
+            return self.eager.encoder, self.eager.decoder, False
+        return self.enc_fn, self.dec_fn, self.caps.compiled
+
+    def _layout(self, bucket: _Bucket):
+        """While capturing a reusing step's bucket: its static token subsets seen by the blocks."""
+        return nullcontext() if bucket.subsets is None else self.eager.token_layout(bucket.subsets)
 
     def _subset_bucket(self, batch: StepBatch) -> _Bucket | None:
         """A reusing step's bucket (captured at its first use: eager modules, no compile), filled
@@ -264,16 +282,9 @@ class FastUNetRuntime:
         key = (*self._key(batch, rows), share, batch.tokens.cached)
         bucket = self.buckets.get(key)
         if bucket is None:
-            start = time.perf_counter()
             buffers = self._recorded.setdefault((*batch.latent_shape, rows), RecordedBuffers())
-            bucket = _Bucket(batch, rows, self.config.uses_channels_last, self._text_rows(batch, rows))
-            bucket.subsets = StaticSubsets(rows, share, batch.tokens.cached, self.eager.subset_context(), buffers)
-            self._load(batch, bucket)
-            args = (bucket.sample, bucket.timestep, bucket.text, bucket.pooled, bucket.time_ids)
-            with self.eager.token_layout(bucket.subsets):
-                bucket.encoder, bucket.enc_out = capture(self.eager.encoder, args, self.pool, False, WARMUP_RUNS)
-            self.buckets[key] = bucket
-            self._captured(start, f"encoder (token share {share:g})", rows)
+            subsets = StaticSubsets(rows, share, batch.tokens.cached, self.eager.subset_context(), buffers)
+            bucket = self._capture(batch, rows, key, subsets)
             # The decoder's too, now: its blocks' buffers are made by its capture's warm-up, and
             # this step's fill must reach them.
             self._capture_decoder(bucket, False)
@@ -296,18 +307,15 @@ class FastUNetRuntime:
     def _capture_decoder(self, bucket: _Bucket, with_res: bool, force: bool = False) -> bool:
         if with_res in bucket.decoders:
             return True
-        subsets = bucket.subsets
-        if not (force or self.config.miss_captures or subsets is not None):
+        if not (force or self.config.miss_captures or bucket.subsets is not None):
             return False
         start = time.perf_counter()
         emb, mid, skips = bucket.enc_out
         buffers = ([torch.zeros_like(s) for s in skips], torch.zeros_like(mid)) if with_res else None
         args = (emb, mid, skips, bucket.text, *(buffers or (None, None)))
-        if subsets is None:
-            graph, noise = capture(self.dec_fn, args, self.pool, self.caps.compiled, WARMUP_RUNS)
-        else:
-            with self.eager.token_layout(subsets):
-                graph, noise = capture(self.eager.decoder, args, self.pool, False, WARMUP_RUNS)
+        _, fn, compiled = self._halves(bucket)
+        with self._layout(bucket):
+            graph, noise = capture(fn, args, self.pool, compiled, WARMUP_RUNS)
         bucket.decoders[with_res] = (graph, noise, buffers)
         self._captured(start, "decoder (with residuals)" if with_res else "decoder", bucket.rows)
         return True
