@@ -7,7 +7,8 @@ For every transformer block of the UNet, in the order a step runs them: its time
 runtime/token_subsets.py), at each mask ratio; and the time to copy its recorded output for one
 step from pinned host memory to the device (the load). Then the plan per mask ratio: the blocks
 that take the cache, the blocks' predicted time against computing them all whole and against the
-recording already on the device (no loads). GPU times are CUDA events (median of --iters); on the
+recording already on the device (no loads), and the same with the loads issued a step ahead (a
+recording streamed from host memory, engine/template_stream.py). GPU times are CUDA events (median of --iters); on the
 CPU, clock times of the tiny model (no loads: the recording is where the compute is).
 The measurement is `easel profile-template`'s (export/profile_template.py), which writes it into a
 repository's denoisers.
@@ -18,6 +19,7 @@ repository's denoisers.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 
@@ -53,14 +55,17 @@ def main() -> None:
     for ratio in RATIOS:
         costs = [BlockCost(e["with_ms"][str(ratio)], e["without_ms"], e["load_ms"]) for e in rows_out]
         plan = plan_cache_use(costs)
+        on_device = plan_cache_use([dataclasses.replace(c, load_s=0.0) for c in costs])
+        ahead = plan_cache_use(costs, lead_s=on_device.latency_s)  # streamed: loads issued a step ahead
         whole = sum(c.without_cache_s for c in costs)
-        resident = sum(c.with_cache_s for c in costs)
         plans[str(ratio)] = {"use": list(plan.use), "blocks_cached": plan.used, "blocks": len(costs),
-                             "planned_ms": plan.latency_s, "whole_ms": whole, "resident_ms": resident,
-                             "loads_ms": plan.loaded_s}
+                             "planned_ms": plan.latency_s, "whole_ms": whole, "resident_ms": on_device.latency_s,
+                             "loads_ms": plan.loaded_s, "ahead_use": list(ahead.use),
+                             "ahead_blocks_cached": ahead.used, "ahead_planned_ms": ahead.latency_s}
         log.info("mask %.2f: %d of %d blocks from the cache; blocks %.2f ms planned, %.2f whole, %.2f with the "
-                 "recording on the device (loads %.2f ms)", ratio, plan.used, len(costs), plan.latency_s, whole,
-                 resident, plan.loaded_s)
+                 "recording on the device (loads %.2f ms); loaded a step ahead: %d blocks, %.2f ms", ratio,
+                 plan.used, len(costs), plan.latency_s, whole, on_device.latency_s, plan.loaded_s, ahead.used,
+                 ahead.latency_s)
     bytes_per_step = sum(e["record_bytes"] for e in rows_out)
     log.info("a step's recording: %.1f MB for %d rows", bytes_per_step / 1e6, args.rows)
     write_json(args.out, {"model": str(model), "device": args.device, "size": args.size, "rows": args.rows,

@@ -126,6 +126,37 @@ def test_a_recording_over_the_device_budget_is_streamed_from_host_memory(setup):
     assert np.abs(got - want).max() <= TOL
 
 
+def test_a_streamed_recording_copies_only_the_blocks_its_plan_takes(setup, tmp_path):
+    """With a block profile whose odd blocks load too slowly to hide (runtime/cache_plan.py), a
+    streamed edit copies the even blocks' outputs only, takes the recording there and runs the
+    odd blocks whole: still its exact edit (the same request), fewer bytes over the link."""
+    import shutil
+
+    from backends.core.engine.template_cache import TemplateCache
+    from backends.core.runtime.cache_plan import BlockProfile, ProfiledBlock
+
+    exact, cached, *_ = setup
+    folder = tmp_path / "denoiser"
+    shutil.copytree(cached.folder, folder)
+    blocks = sum(1 for m in cached.runtime.weights_module.modules() if hasattr(m, "_subset_index"))
+    assert blocks > 1  # (installed by the earlier tests' reusing steps)
+    BlockProfile(SIZE, (0.0, 1.0), tuple(ProfiledBlock(i, 1.0, (0.1, 1.0), 1000.0 * (i % 2))
+                                         for i in range(blocks))).write(folder)
+    streaming = TorchDenoiser(folder, Placement(), templates=TemplateCache("cpu", device_bytes=1, host_bytes=1 << 30))
+    edit = job(setup, "reuse", template="bay")
+    want = latents(exact, dataclasses.replace(edit, edit=dataclasses.replace(edit.edit, template=None)))
+    latents(streaming, job(setup, "record", template="bay"))
+    cache = streaming.templates
+    context = streaming.runtime.subsets
+    before = (context.computed_tokens, context.all_tokens)
+    got = latents(streaming, edit)
+    assert np.abs(got - want).max() <= TOL
+    (recording,) = cache._tiers["host"].values()
+    even = sum(t.numel() * t.element_size() for (_, block), t in recording.outputs.items() if block % 2 == 0)
+    assert cache.stats.loaded_bytes["host"] == even < cache.nbytes("host")
+    assert 0 < context.computed_tokens - before[0] < context.all_tokens - before[1]
+
+
 def test_another_prompt_reuses_the_recording_within_the_measured_deviation(setup):
     exact, cached, *_ = setup
     latents(cached, job(setup, "record", template="porch"))

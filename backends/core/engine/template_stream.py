@@ -8,6 +8,10 @@ waits for their copy's event on the GPU (the host never waits), and step k+1's c
 the template cache's load stream into the other of two device buffers, so it runs beside step k's
 compute. The buffer it writes was last read by step k-1: the copy waits for an event recorded on
 the compute stream after that step's kernels.
+
+Only the blocks a plan names are copied (runtime/cache_plan.StreamPlans: Algorithm 1 with the
+copies' times, so that a copy never outlasts the step it hides behind); a step takes the recording
+in the blocks copied for it (`ready`) and runs the others whole.
 """
 
 from __future__ import annotations
@@ -35,6 +39,7 @@ class StreamedActivations:
             self._steps[step][block] = t
         self._buffers: list[dict[int, torch.Tensor] | None] = [None, None]  # by step parity
         self._ready: dict[int, torch.cuda.Event | None] = {}  # steps issued -> their copy's event
+        self._copied: dict[int, frozenset[int] | None] = {}  # steps issued -> their blocks (None: every one)
 
     @property
     def complete(self) -> bool:
@@ -43,22 +48,32 @@ class StreamedActivations:
     def get(self, step: int, block: int, row: int) -> torch.Tensor:
         return self._buffers[step % 2][block][row]
 
-    def prepare(self, step: int, last: int) -> None:
+    def prepare(self, step: int, last: int, first: frozenset[int] | None = None,
+                ahead: frozenset[int] | None = None) -> frozenset[int] | None:
         """(The loop thread, assembling `step`, before its kernels are queued.) The step's outputs
-        ready for the compute stream; the next one's copy started, unless `step` is the `last`."""
+        ready for the compute stream, copied now (the blocks `first`) unless they were a step ago;
+        the next one's copy (the blocks `ahead`) started, unless `step` is the `last`. Returns the
+        blocks ready for `step` (None: every one). None for a set of blocks: every block."""
         if step not in self._ready:
-            self._issue(step)
+            self._issue(step, first)
         event = self._ready.pop(step)
         if event is not None:
             torch.cuda.current_stream(self.device).wait_event(event)
         if step < last and step + 1 not in self._ready:
-            self._issue(step + 1)
+            self._issue(step + 1, ahead)
+        return self._copied.pop(step)
 
-    def _issue(self, step: int) -> None:
+    def _issue(self, step: int, blocks: frozenset[int] | None) -> None:
         outputs = self._steps[step]
+        if blocks is not None and not blocks >= outputs.keys():
+            outputs = {b: t for b, t in outputs.items() if b in blocks}
+        else:
+            blocks = None
+        self._copied[step] = None if blocks is None else frozenset(outputs)
         buffers = self._buffers[step % 2]
-        if buffers is None:
-            buffers = self._buffers[step % 2] = {b: torch.empty_like(t, device=self.device) for b, t in outputs.items()}
+        if buffers is None:  # every block's buffer, whichever blocks a step copies
+            buffers = self._buffers[step % 2] = {b: torch.empty_like(t, device=self.device)
+                                                 for b, t in self._steps[step].items()}
             if self.stream is not None:  # written on the load stream, freed with the request on ours
                 for t in buffers.values():
                     t.record_stream(self.stream)

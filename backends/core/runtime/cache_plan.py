@@ -9,8 +9,12 @@ finishing the block with it (after the later of its load's end and the previous 
 no later than finishing it whole; else compute it whole and load nothing for it. The compute
 never waits longer than computing whole would have taken, so loading adds no bubble.
 
+Loads issued a step ahead (a recording streamed from host memory, engine/template_stream.py)
+start `lead_s` before the step's first block: the previous step's compute hides them, and the
+plan takes every block it would take from the device unless the loads outlast that step.
+
 The times come from a measured profile (`BlockProfile`, written into a denoiser's folder as
-`template_blocks.json` by bench/micro/template_blocks.py): each block's time on every token, on a
+`template_blocks.json` by `easel profile-template`): each block's time on every token, on a
 mask's tokens at several mask ratios (interpolated between them), and the seconds a row of its
 recorded output takes to load. A recording already on the device loads in no time; the plan then
 still leaves whole the blocks whose masked run is not faster (small token grids, where gathering
@@ -19,6 +23,7 @@ the tokens costs more than it saves). Pure and torch-free.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -38,16 +43,17 @@ class BlockCost:
 class CachePlan:
     use: tuple[bool, ...]  # per block: take the recording (loaded) or compute whole
     latency_s: float  # when the last block ends
-    loaded_s: float  # when the last load ends
+    loaded_s: float  # when the last load ends (before the step's start, below 0, when issued ahead)
 
     @property
     def used(self) -> int:
         return sum(self.use)
 
 
-def plan_cache_use(costs: Sequence[BlockCost]) -> CachePlan:
-    """Algorithm 1: per block, use the cache if that ends the block no later than computing it whole."""
-    load = comp = 0.0
+def plan_cache_use(costs: Sequence[BlockCost], lead_s: float = 0.0) -> CachePlan:
+    """Algorithm 1: per block, use the cache if that ends the block no later than computing it
+    whole; the loads start `lead_s` before the first block."""
+    load, comp = -lead_s, 0.0
     use = []
     for cost in costs:
         with_cache = max(load + cost.load_s, comp) + cost.with_cache_s
@@ -59,6 +65,17 @@ def plan_cache_use(costs: Sequence[BlockCost]) -> CachePlan:
             comp += cost.without_cache_s
             use.append(False)
     return CachePlan(tuple(use), comp, load)
+
+
+@dataclass(frozen=True)
+class StreamPlans:
+    """A step's blocks that take the recording where it has been loaded (`now`), and those to load
+    for streamed rows: for this step when nothing was loaded for it yet (`first`: no lead), and for
+    the next step, issued now (`ahead`)."""
+
+    now: frozenset[int]
+    first: frozenset[int]
+    ahead: frozenset[int]
 
 
 @dataclass(frozen=True)
@@ -77,16 +94,27 @@ class BlockProfile:
     ratios: tuple[float, ...]
     blocks: tuple[ProfiledBlock, ...]
 
-    def costs(self, share: float, rows: int, resident: bool) -> list[BlockCost]:
+    def costs(self, share: float, rows: int, loaded_rows: int = 0) -> list[BlockCost]:
         """The blocks' costs for `rows` reusing rows whose largest share of tokens computed is
-        `share`; `resident`: their recordings are on the device already (no loads)."""
+        `share`, `loaded_rows` of them with recordings to load (the others' are on the device)."""
         return [BlockCost(rows * _interpolate(self.ratios, b.with_s, share), rows * b.without_s,
-                          0.0 if resident else rows * b.load_s) for b in self.blocks]
+                          loaded_rows * b.load_s) for b in self.blocks]
 
-    def plan(self, share: float, rows: int, resident: bool) -> frozenset[int]:
+    def plan(self, share: float, rows: int, loaded_rows: int = 0, lead_s: float = 0.0) -> frozenset[int]:
         """The indices of the blocks that take the recording (Algorithm 1 on these costs)."""
-        use = plan_cache_use(self.costs(share, rows, resident)).use
-        return frozenset(b.index for b, used in zip(self.blocks, use) if used)
+        return self._indices(plan_cache_use(self.costs(share, rows, loaded_rows), lead_s))
+
+    @functools.lru_cache(maxsize=1024)  # asked at every step of a reusing batch
+    def stream_plans(self, share: float, rows: int, loaded_rows: int) -> "StreamPlans":
+        """The plans of a step whose `loaded_rows` stream their recordings a step ahead."""
+        resident = plan_cache_use(self.costs(share, rows))
+        costs = self.costs(share, rows, loaded_rows)
+        # The next step's loads run beside this step, which takes at least its resident plan's time.
+        return StreamPlans(self._indices(resident), self._indices(plan_cache_use(costs)),
+                           self._indices(plan_cache_use(costs, lead_s=resident.latency_s)))
+
+    def _indices(self, plan: CachePlan) -> frozenset[int]:
+        return frozenset(b.index for b, used in zip(self.blocks, plan.use) if used)
 
     def write(self, folder: str | Path) -> Path:
         path = Path(folder) / PROFILE_FILE

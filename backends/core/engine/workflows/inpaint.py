@@ -28,6 +28,7 @@ from backends.core.engine.requests import DenoiseJob, EditInputs, RequestState
 from backends.core.engine.template_stream import StreamedActivations
 from backends.core.engine.workflows.txt2img import Txt2Img
 from backends.core.request.params import InvalidInput
+from backends.core.runtime.cache_plan import StreamPlans
 from backends.core.runtime.host_copies import to_device
 from backends.core.runtime.token_subsets import (FULL, RECORD, REUSE, TemplateActivations, TokenLayout, TokenRow,
                                                  computed_tokens, token_share)
@@ -66,6 +67,11 @@ def template_key(job: DenoiseJob, rows: int) -> tuple:
                      for c in job.controls)
     return (edit.template, _digest(edit.image_mean), p.width, p.height, p.steps, p.scheduler, edit.strength, p.seed,
             rows, tuple((lora.name, lora.scale) for lora in p.loras), controls, job.adapter_versions)
+
+
+def _within(blocks: frozenset[int] | None, ready: frozenset[int] | None) -> frozenset[int] | None:
+    """The blocks in both (None: every block)."""
+    return ready if blocks is None else blocks if ready is None else blocks & ready
 
 
 def _digest(array: np.ndarray) -> str:
@@ -144,21 +150,27 @@ class Inpaint(Txt2Img):
     def tokens(self, states) -> TokenLayout | None:
         if all(s.template_role == FULL for s in states):
             return None
+        plans = self._plans(states)
+        cached = plans.now if plans is not None else None
         for s in states:
             if s.template_role == REUSE and isinstance(s.recording, StreamedActivations):
-                s.recording.prepare(s.index, len(s.timesteps) - 1)
+                ready = s.recording.prepare(s.index, len(s.timesteps) - 1, *(
+                    (plans.first, plans.ahead) if plans is not None else ()))
+                cached = _within(cached, ready)
         rows = tuple(TokenRow(s.template_role, s.recording, s.index, r, s.computed)
                      for s in states for r in range(s.rows))
-        return TokenLayout(rows, self._cached_blocks(states))
+        return TokenLayout(rows, cached)
 
-    def _cached_blocks(self, states) -> frozenset[int] | None:
+    def _plans(self, states) -> StreamPlans | None:
         """With a measured profile at the request's size: the blocks where taking the recording
-        is faster than computing whole (recordings are on the device: no loads); else every block."""
+        is faster than computing whole, those of streamed recordings with their copies' times
+        (Algorithm 1); None, without one: every block."""
         profile, p = self.model.block_profile, states[0].job.params
         reusing = [s for s in states if s.template_role == REUSE]
         if profile is None or not reusing or (p.width, p.height) != (profile.size, profile.size):
             return None
-        return profile.plan(max(s.token_share for s in reusing), sum(s.rows for s in reusing), resident=True)
+        streamed = sum(s.rows for s in reusing if isinstance(s.recording, StreamedActivations))
+        return profile.stream_plans(max(s.token_share for s in reusing), sum(s.rows for s in reusing), streamed)
 
     def _check_edit(self, edit: EditInputs | None, shape: tuple[int, int]) -> None:
         if edit is None:
