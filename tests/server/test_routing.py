@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from backends.core.serving.load_board import LoadReader
 from clients.client import EaselClient, GenerateRequest, GenerateResult
 from tests.server.conftest import metric_values
 
@@ -58,10 +59,16 @@ def test_short_requests_go_around_a_denoiser_busy_with_a_long_one(shared, run_lo
             break
         assert time.monotonic() < deadline, "the long request never started"
         time.sleep(0.1)
+    board = LoadReader(server_pid=shared.proc.pid)
+    seen = []  # the boards before each short request (what the routers read): in the failure message
     with EaselClient(shared.url_grpc, protocol="grpc") as c:
-        short = [c.generate("a short one", seed=i, steps=2, width=64, height=64).info["denoiser"] for i in range(3)]
+        short = []
+        for i in range(3):
+            seen.append({name: board(name) for name in ("denoiser_cpu0", "denoiser_cpu1")})
+            short.append(c.generate("a short one", seed=i, steps=2, width=64, height=64).info["denoiser"])
     assert thread.is_alive(), "the long request ended before the short ones: make it longer"
     thread.join(300)
     busy_model = long["result"].info["denoiser"]
     assert busy == [f'model="{busy_model}"'], (busy, busy_model)
-    assert len(set(short)) == 1 and short[0] != busy_model, (short, busy_model)
+    read = [{name: str(load) for name, load in boards.items()} for boards in seen]
+    assert len(set(short)) == 1 and short[0] != busy_model, (short, busy_model, read)

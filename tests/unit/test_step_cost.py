@@ -34,3 +34,18 @@ def test_a_share_outside_zero_and_one_is_clamped():
     for _ in range(200):
         model.observe(2.0, 1.0, 0.05)  # slower than whole rows: the mask saved nothing
     assert model.dense == pytest.approx(1.0, abs=1e-3)
+
+
+def test_a_step_that_waited_on_something_else_moves_nothing():
+    """A first step that captured graphs, or one that waited a minute on a load, among ordinary
+    steps: the rate stays the ordinary steps' (a moving average would price this denoiser 100x
+    too high for the next many steps, and a router would send it nothing to learn from)."""
+    rate = 0.02
+    model = StepCostModel()
+    model.observe(1.0, 1.0, 60.0)  # the first step, with a minute of capture
+    for _ in range(2):
+        model.observe(1.0, 1.0, rate)
+    assert model.row_step_s == pytest.approx(rate)
+    for step in range(100):
+        model.observe(2.0, 2.0, 2 * rate if step % 10 else 120.0)  # one step in ten waits
+    assert model.row_step_s == pytest.approx(rate)

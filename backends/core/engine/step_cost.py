@@ -10,8 +10,11 @@ with the share of tokens computed. A step of a batch then takes
 
 where `units` are the batch's row-steps and `token_units` the same weighted by each row's share of
 tokens computed (1 for every row that is not a reusing edit). `row_step_s` is learned from steps
-without reusing edits, `dense` from steps with them; both as moving averages, so that they follow
-the batch sizes the denoiser actually runs. Until a reusing edit has been measured `dense` is 1:
+without reusing edits, `dense` from steps with them; both as medians of the last steps, so that
+they follow the batch sizes the denoiser actually runs, and a step that waited on something else
+(a graph captured, a compile, a merge, a slow ControlNet) is outvoted instead of pricing the
+denoiser out of every request for the next hundred steps (a router sends nothing to a denoiser it
+prices high, so nothing would correct it). Until a reusing edit has been measured `dense` is 1:
 such an edit is priced as a whole one, never as cheaper than measured.
 
 Torch-free: the loop feeds it the step records it has (engine/step_stats.py).
@@ -19,30 +22,35 @@ Torch-free: the loop feeds it the step records it has (engine/step_stats.py).
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import statistics
+from collections import deque
+from dataclasses import dataclass, field
 
-# Weight of the newest step in the moving averages: about the last 20 steps decide.
-EMA = 0.05
+# The steps whose median decides: a few odd ones among them move nothing.
+WINDOW = 21
 
 
 @dataclass
 class StepCostModel:
     row_step_s: float | None = None  # seconds of one 1024x1024 row-step; None until a step was measured
     dense: float = 1.0  # the share of a row-step that a reusing edit's mask does not shrink
+    _rates: deque = field(default_factory=lambda: deque(maxlen=WINDOW), repr=False, compare=False)
+    _denses: deque = field(default_factory=lambda: deque(maxlen=WINDOW), repr=False, compare=False)
 
     def observe(self, units: float, token_units: float, wall_s: float) -> None:
         """A finished step: its row-steps, the same weighted by token share, its wall time."""
         if units <= 0.0 or wall_s <= 0.0:
             return
         if token_units >= units:  # no reusing edit: the rate
-            rate = wall_s / units
-            self.row_step_s = rate if self.row_step_s is None else self.row_step_s + EMA * (rate - self.row_step_s)
+            self._rates.append(wall_s / units)
+            self.row_step_s = statistics.median(self._rates)
             return
         if self.row_step_s is None:
             return  # a share needs a rate to be measured against
         # wall / rate = dense * units + (1 - dense) * token_units, solved for dense
         dense = (wall_s / self.row_step_s - token_units) / (units - token_units)
-        self.dense += EMA * (min(1.0, max(0.0, dense)) - self.dense)
+        self._denses.append(min(1.0, max(0.0, dense)))
+        self.dense = statistics.median(self._denses)
 
     def seconds(self, units: float, token_units: float) -> float | None:
         """Predicted seconds of `units` row-steps (`token_units` of them weighted by token share);
