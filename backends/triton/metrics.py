@@ -152,6 +152,8 @@ class TemplateMetrics:
                                                              "recordings to the device (off the step loop)", "counter"),
             "wait_s": ("easel_template_wait_seconds_total", "seconds edits were held before their first step "
                                                              "waiting for their recording's load", "counter"),
+            "stall_s": ("easel_template_stall_seconds_total", "GPU seconds the step loop's stream waited for "
+                                                               "streamed recordings' copies", "counter"),
             "computed": ("easel_template_computed_tokens_total",
                          "block tokens computed by edits that reused a recording", "counter"),
             "tokens": ("easel_template_tokens_total", "block tokens those edits would have computed whole",
@@ -171,6 +173,7 @@ class TemplateMetrics:
         self.metrics.set_total("misses", stats.misses)
         self.metrics.set_total("load_s", stats.load_seconds)
         self.metrics.set_total("wait_s", stats.wait_seconds)
+        self.metrics.set_total("stall_s", cache.read_stalls())
         subsets = getattr(self.engine.runtime, "subsets", None)
         if subsets is not None:
             self.metrics.set_total("computed", subsets.computed_tokens)

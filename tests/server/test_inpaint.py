@@ -195,3 +195,4 @@ def test_the_template_cache_reports_its_tiers(http_client, server):
     assert 0 < computed < sum(metric_values(server, "easel_template_tokens_total").values())
     stored = metric_values(server, "easel_template_bytes")
     assert sum(v for labels, v in stored.items() if 'tier="device"' in labels) > 0, stored
+    assert sum(metric_values(server, "easel_template_stall_seconds_total").values()) == 0  # (nothing streamed)

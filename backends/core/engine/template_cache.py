@@ -52,6 +52,9 @@ class TemplateCacheStats:
     # seconds edits were held waiting for one (their own latency; the loop kept stepping others)
     load_seconds: float = 0.0
     wait_seconds: float = 0.0
+    # GPU seconds the compute stream waited for streamed recordings' copies (engine/template_stream.py):
+    # zero while every copy hides behind the step before it
+    stall_seconds: float = 0.0
     evictions: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TIERS, 0))
 
 
@@ -68,6 +71,7 @@ class TemplateCache:
         self._loader: ThreadPoolExecutor | None = None
         self._stream = None  # the loader's CUDA stream
         self._step_stream = None  # edits' copies of streamed recordings (load_stream)
+        self._waits: list = []  # (compute reached the wait, copy done) event pairs not yet read
         if self.folder is not None:
             self.folder.mkdir(parents=True, exist_ok=True)
             self._index_folder()
@@ -117,6 +121,29 @@ class TemplateCache:
         """An edit copied this much of a streamed recording to the device."""
         with self._lock:
             self.stats.loaded_bytes["host"] += nbytes
+
+    def streamed_wait(self, reached, done) -> None:
+        """(The loop thread.) The compute stream waits, from the event `reached`, for a streamed
+        copy that ends at the event `done` (both timed CUDA events)."""
+        with self._lock:
+            self._waits.append((reached, done))
+            self._add_stalls()  # (those of earlier steps: the list stays short if nobody reads it)
+
+    def read_stalls(self) -> float:
+        """The stall seconds so far (stats.stall_seconds), with the waits whose events have
+        completed added; never blocks."""
+        with self._lock:
+            self._add_stalls()
+            return self.stats.stall_seconds
+
+    def _add_stalls(self) -> None:
+        pending = []
+        for reached, done in self._waits:
+            if reached.query() and done.query():
+                self.stats.stall_seconds += max(0.0, reached.elapsed_time(done)) / 1000
+            else:
+                pending.append((reached, done))
+        self._waits = pending
 
     def _streamed(self, name: str) -> TemplateActivations | None:
         """(Under the lock.) The recording in host memory, if edits stream it from there: it is

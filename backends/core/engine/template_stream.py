@@ -29,10 +29,12 @@ class StreamedActivations:
     `prepare` made ready, from a recording in host memory."""
 
     def __init__(self, host: TemplateActivations, device: torch.device, stream: torch.cuda.Stream | None,
-                 loaded: Callable[[int], None] = lambda nbytes: None):
+                 loaded: Callable[[int], None] = lambda nbytes: None,
+                 waited: Callable[[torch.cuda.Event, torch.cuda.Event], None] = lambda reached, done: None):
         """`stream`: the load stream (None on a CPU: copies are made in place); `loaded(nbytes)`
-        counts the bytes copied (the cache's metrics)."""
-        self.host, self.device, self.stream, self.loaded = host, device, stream, loaded
+        counts the bytes copied, `waited(reached, done)` each wait of the compute stream for a
+        copy (the cache's metrics: its stall is `done` minus `reached`, where positive)."""
+        self.host, self.device, self.stream, self.loaded, self.waited = host, device, stream, loaded, waited
         self.rows = host.rows
         self._steps: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)  # step -> block -> [rows, L, C]
         for (step, block), t in host.outputs.items():
@@ -58,7 +60,11 @@ class StreamedActivations:
             self._issue(step, first)
         event = self._ready.pop(step)
         if event is not None:
-            torch.cuda.current_stream(self.device).wait_event(event)
+            compute = torch.cuda.current_stream(self.device)
+            reached = torch.cuda.Event(enable_timing=True)
+            reached.record(compute)
+            compute.wait_event(event)
+            self.waited(reached, event)
         if step < last and step + 1 not in self._ready:
             self._issue(step + 1, ahead)
         return self._copied.pop(step)
@@ -90,7 +96,7 @@ class StreamedActivations:
             with torch.cuda.stream(self.stream):
                 for b, t in outputs.items():
                     buffers[b].copy_(t, non_blocking=True)
-                done = torch.cuda.Event()
+                done = torch.cuda.Event(enable_timing=True)
                 done.record(self.stream)
             self._ready[step] = done
         self.loaded(sum(t.numel() * t.element_size() for t in outputs.values()))

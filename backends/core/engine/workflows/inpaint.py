@@ -145,7 +145,8 @@ class Inpaint(Txt2Img):
         m = self.model
         if not recording.host:
             return recording
-        return StreamedActivations(recording, m.device, m.templates.load_stream(), m.templates.streamed_bytes)
+        cache = m.templates
+        return StreamedActivations(recording, m.device, cache.load_stream(), cache.streamed_bytes, cache.streamed_wait)
 
     def tokens(self, states) -> TokenLayout | None:
         if all(s.template_role == FULL for s in states):
