@@ -10,6 +10,9 @@ outside the mask are noised with the request's noise), prompts that differ per r
   of the same prompt: PSNR and SSIM of the whole image and of the masked region.
 - Throughput: c clients at once, rounds back to back, every request's mask ratio drawn from a
   distribution with InstGenIE's trace's mean (0.11), exact against reusing, images/s.
+- The template cache after those runs, from the server's metrics: hits and bytes loaded by tier,
+  the seconds edits were held for a load, and the GPU seconds steps stalled for streamed copies
+  (`--template-cache-gib 0,48,0` streams every reuse from host memory).
 - diffusers' StableDiffusionXLInpaintPipeline on the same weights, eager and with its UNet
   compiled: latency per mask ratio, and one call batching c edits per concurrency level.
 
@@ -25,6 +28,7 @@ import io
 import json
 import logging
 import queue
+import re
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -295,6 +299,32 @@ def serving(setup, model: Path, routing: str, denoisers: int, cache_gib: tuple[f
         server.stop()
 
 
+CACHE_METRICS = {  # edits.json's "template_cache" key -> the server's metric (summed over denoisers)
+    "hits": "easel_template_hits_total", "misses": "easel_template_misses_total",
+    "loaded_bytes": "easel_template_loaded_bytes_total", "wait_s": "easel_template_wait_seconds_total",
+    "stall_s": "easel_template_stall_seconds_total",
+}
+
+
+def cache_figures(server) -> dict:
+    """The server's template cache so far: hits and bytes loaded by tier, misses, the seconds edits
+    waited for a load, and the GPU seconds steps stalled for streamed copies (0 where the copies
+    hid behind compute)."""
+    from clients.serve import scrape_metrics
+
+    scraped = scrape_metrics(server.metrics_port, list(CACHE_METRICS.values()))
+    out = {}
+    for key, name in CACHE_METRICS.items():
+        values = scraped[name]
+        tiers = {}
+        for labels, value in values.items():
+            tier = re.search(r'tier="([^"]+)"', labels)
+            if tier is not None:
+                tiers[tier[1]] = tiers.get(tier[1], 0.0) + value
+        out[key] = tiers if tiers else sum(values.values())
+    return out
+
+
 def _fmt(value, unit: str = "s", digits: int = 3) -> str:
     return "n/a" if value is None else f"{value:.{digits}f}{unit}"
 
@@ -324,6 +354,16 @@ def markdown(results: dict) -> str:
                      f"{_fmt(row['speedup'], 'x', 2)} | "
                      f"{_fmt(eager.get('throughput', {}).get(c, {}).get('img_s'), ' img/s')} | "
                      f"{_fmt(compiled.get('throughput', {}).get(c, {}).get('img_s'), ' img/s')} |")
+    cache = results.get("template_cache")
+    if cache:
+        def tiers(values):
+            return ", ".join(f"{tier} {v:g}" for tier, v in values.items()) if isinstance(values, dict) else f"{values:g}"
+
+        lines += ["", "## Template cache (after the latency and throughput runs)", "",
+                  f"- hits: {tiers(cache['hits'])}; misses: {cache['misses']:g}",
+                  f"- bytes loaded to the device: {tiers(cache['loaded_bytes'])}",
+                  f"- edits held for a load: {_fmt(cache['wait_s'])}; steps stalled for streamed copies (GPU time): "
+                  f"{_fmt(cache['stall_s'])}"]
     if results.get("load"):
         lines += ["", "## Open-loop load (reusing edits, Poisson arrivals)", "",
                   "| edits/s | routing | p50 | p95 | mean |", "| --- | --- | --- | --- | --- |"]
@@ -428,6 +468,8 @@ def run_edits(setup, out_dir: Path, skip: set[str] = frozenset(), load_rates: tu
                 for c in setup.concurrency:
                     results["throughput"][str(c)] = throughput(server.url_grpc, setup, template, c)
                     save()
+                results["template_cache"] = cache_figures(server)
+                save()
             if load_rates:
                 if routing != "seconds":  # (the first server recorded at these steps above)
                     record(server.url_grpc, setup, template, setup.throughput_steps, denoisers)

@@ -33,9 +33,12 @@ def test_the_edit_benchmark_measures_every_mask_ratio_and_concurrency(tmp_path):
         for rate in ("4.0", "8.0"):
             load = results["load"][routing][rate]
             assert load["count"] == 8 and load["template_use"] == {"reused": 8} and load["p95_s"] >= load["p50_s"] > 0
+    cache = results["template_cache"]  # the server's metrics: recorded once, reused from the device
+    assert cache["misses"] >= 1 and cache["hits"]["device"] >= 2 * len(RATIOS) and cache["stall_s"] == 0
     diffusers = results["diffusers_eager"]  # the same edits through StableDiffusionXLInpaintPipeline
     assert set(diffusers["latency"]) == {str(r) for r in RATIOS} and diffusers["throughput"]["2"]["img_s"] > 0
     assert "diffusers_compiled" not in results  # --cpu-smoke: no torch.compile
     table = (out / "edits.md").read_text()
     assert "| 0.25 |" in table and "| 8.0 | work |" in table  # the 20% mask at 64 px; a load row
+    assert "steps stalled for streamed copies" in table
     assert (out / "edits_latency.png").stat().st_size > 0 and (out / "edits_load.png").stat().st_size > 0

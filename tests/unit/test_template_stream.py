@@ -10,39 +10,40 @@ from backends.core.engine.template_stream import StreamedActivations
 from backends.core.runtime.token_subsets import TemplateActivations
 
 
-def test_steps_are_copied_one_ahead_into_alternating_buffers():
-    host = TemplateActivations(2, complete=True, host=True)
-    for step in range(3):
-        for block in range(2):
-            host.outputs[(step, block)] = torch.full((2, 4, 3), float(10 * step + block))
+def host_recording(rows: int, blocks: int, tokens: int, width: int, steps: int = 3):
+    """A host recording whose outputs are 10 * step + block, read through StreamedActivations;
+    the list its copies' bytes are counted into."""
+    host = TemplateActivations(rows, complete=True, host=True)
+    for step in range(steps):
+        for block in range(blocks):
+            host.outputs[(step, block)] = torch.full((rows, tokens, width), float(10 * step + block))
     counted = []
-    streamed = StreamedActivations(host, torch.device("cpu"), None, counted.append)
-    streamed.prepare(0, last=2)
+    return host, StreamedActivations(host, torch.device("cpu"), None, counted.append), counted
+
+
+def test_steps_are_copied_one_ahead_into_alternating_buffers():
+    host, reader, counted = host_recording(rows=2, blocks=2, tokens=4, width=3)
+    reader.prepare(0, last=2)
     assert counted == [2 * 2 * 4 * 3 * 4] * 2  # step 0, then step 1 ahead
-    assert torch.equal(streamed.get(0, 1, 1), host.get(0, 1, 1))
-    buffer_of_step_0 = streamed.get(0, 0, 0)
-    streamed.prepare(1, last=2)
-    assert torch.equal(streamed.get(1, 0, 0), host.get(1, 0, 0)) and len(counted) == 3
-    streamed.prepare(2, last=2)  # the last: nothing further issued
-    assert len(counted) == 3 and torch.equal(streamed.get(2, 1, 0), host.get(2, 1, 0))
-    assert streamed.get(2, 0, 0).data_ptr() == buffer_of_step_0.data_ptr()  # step 2 took step 0's buffer
-    assert streamed.complete and streamed.rows == 2
+    assert torch.equal(reader.get(0, 1, 1), host.get(0, 1, 1))
+    buffer_of_step_0 = reader.get(0, 0, 0)
+    reader.prepare(1, last=2)
+    assert torch.equal(reader.get(1, 0, 0), host.get(1, 0, 0)) and len(counted) == 3
+    reader.prepare(2, last=2)  # the last: nothing further issued
+    assert len(counted) == 3 and torch.equal(reader.get(2, 1, 0), host.get(2, 1, 0))
+    assert reader.get(2, 0, 0).data_ptr() == buffer_of_step_0.data_ptr()  # step 2 took step 0's buffer
+    assert reader.complete and reader.rows == 2
 
 
 def test_only_the_planned_blocks_are_copied_and_a_step_reads_what_was_copied_for_it():
-    host = TemplateActivations(1, complete=True, host=True)
-    for step in range(3):
-        for block in range(3):
-            host.outputs[(step, block)] = torch.full((1, 2, 2), float(10 * step + block))
-    counted = []
-    streamed = StreamedActivations(host, torch.device("cpu"), None, counted.append)
+    host, reader, counted = host_recording(rows=1, blocks=3, tokens=2, width=2)
     block_bytes = 2 * 2 * 4
     # step 0 copied now (`first`), step 1 ahead with another plan
-    assert streamed.prepare(0, last=2, first=frozenset({2}), ahead=frozenset({0, 1})) == frozenset({2})
+    assert reader.prepare(0, last=2, first=frozenset({2}), ahead=frozenset({0, 1})) == frozenset({2})
     assert counted == [block_bytes, 2 * block_bytes]
-    assert torch.equal(streamed.get(0, 2, 0), host.get(0, 2, 0))
+    assert torch.equal(reader.get(0, 2, 0), host.get(0, 2, 0))
     # step 1 reads what was copied a step ago, whatever the plan says now; step 2 gets every block
-    assert streamed.prepare(1, last=2, first=frozenset({2}), ahead=frozenset({0, 1, 2})) == frozenset({0, 1})
-    assert torch.equal(streamed.get(1, 1, 0), host.get(1, 1, 0))
-    assert streamed.prepare(2, last=2) is None and counted[-1] == 3 * block_bytes
-    assert all(torch.equal(streamed.get(2, b, 0), host.get(2, b, 0)) for b in range(3))
+    assert reader.prepare(1, last=2, first=frozenset({2}), ahead=frozenset({0, 1, 2})) == frozenset({0, 1})
+    assert torch.equal(reader.get(1, 1, 0), host.get(1, 1, 0))
+    assert reader.prepare(2, last=2) is None and counted[-1] == 3 * block_bytes
+    assert all(torch.equal(reader.get(2, b, 0), host.get(2, b, 0)) for b in range(3))
