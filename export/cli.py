@@ -143,6 +143,9 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--channels-last", action=argparse.BooleanOptionalAction, default=None,
                      help="UNet in channels_last memory format (default: with --runtime compiled, where it pays)")
     exp.add_argument("--fused-kernels", action="store_true", help="plugins/: fused GroupNorm+SiLU and GEGLU kernels")
+    exp.add_argument("--conv-subsets", action="store_true",
+                     help="template edits that reuse a recording also run the ResNet blocks on their mask's box "
+                          "(approximate; steps that run eager only: a fast runtime's reusing graphs run them whole)")
     exp.add_argument("--vae-attention", choices=("fp32", "fp16", "bf16"), default=None,
                      help="precision of the VAE's attention product: fp32 is diffusers' exact upcast VAE "
                           "(default: bf16 on a fast runtime, fp32 on eager)")
@@ -200,7 +203,8 @@ def main(argv: list[str] | None = None) -> int:
                                 controlnet_row_split=args.controlnet_row_split, runtime=args.runtime, row_buckets=args.row_buckets, warmup_sizes=args.warmup_sizes,
                                 channels_last=args.channels_last, fused_kernels=args.fused_kernels,
                                 vae_attention=args.vae_attention, vae_dtype=args.vae_dtype, fp8=args.fp8,
-                                fp8_fast_accum=args.fp8_fast_accum, template_cache_gib=args.template_cache_gib)
+                                fp8_fast_accum=args.fp8_fast_accum, template_cache_gib=args.template_cache_gib,
+                                conv_subsets=args.conv_subsets)
         export_repository(args.model, args.out, options)
         return 0
     if args.command == "profile-lora":

@@ -91,6 +91,7 @@ class ExportOptions:
     # Export writes the calibration data the runtime reads at load: the text of a few prompts.
     fp8: tuple[str, ...] = ()
     fp8_fast_accum: bool = False  # RuntimeConfig.fp8_fast_accum
+    conv_subsets: bool = False  # RuntimeConfig.conv_subsets
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -140,7 +141,7 @@ class ExportOptions:
         return RuntimeConfig(kind=self.resolved_runtime, row_buckets=self.resolved_row_buckets, warmup_sizes=sizes,
                              warmup_residuals=bool(self.adapters), channels_last=self.channels_last,
                              fused_kernels=self.fused_kernels, fp8=self.fp8,
-                             fp8_fast_accum=self.fp8_fast_accum)
+                             fp8_fast_accum=self.fp8_fast_accum, conv_subsets=self.conv_subsets)
 
     @property
     def denoiser_gpus(self) -> tuple[int, ...]:

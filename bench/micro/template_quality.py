@@ -39,6 +39,8 @@ def main() -> None:
                    help="the UNet runtime (export --runtime). Eager (the default) leaves the method's own "
                         "deviation alone in the figures; on a fast runtime each edit's seconds say what reuse "
                         "saves (a share's first reusing edit includes its graphs' capture)")
+    p.add_argument("--conv-subsets", action="store_true",
+                   help="reusing edits also run the ResNet blocks on their mask's box (RuntimeConfig.conv_subsets)")
     p.add_argument("--cache-gib", type=int, default=64,
                    help="device memory for one recording (SDXL at 1024 px: 0.42 GB a step with guidance)")
     args = p.parse_args()
@@ -68,7 +70,8 @@ def main() -> None:
     where = Placement(args.device if args.device == "cpu" else "cuda:0", dtype)
     first = "denoiser" if args.device == "cpu" else "denoiser_gpu0"
     folder = repo / first / "1"
-    engine = TorchDenoiser(folder, where, runtime=build_runtime(folder, where, RuntimeConfig(kind=args.runtime)),
+    config = RuntimeConfig(kind=args.runtime, conv_subsets=args.conv_subsets)
+    engine = TorchDenoiser(folder, where, runtime=build_runtime(folder, where, config),
                            templates=TemplateCache(where.device, args.cache_gib << 30))
     encoder = PromptEncoder(repo / "text_encoder" / "1", where)
     decoder = LatentDecoder(repo / "vae_decoder" / "1", where)
@@ -98,7 +101,8 @@ def main() -> None:
             name = f"t{ratio}"
             edit("a wooden door in a brick wall", seed, mask, name)  # records
             subsets = engine.runtime.subsets
-            before = (subsets.computed_tokens, subsets.all_tokens) if subsets is not None else (0, 0)
+            before = (subsets.computed_tokens, subsets.all_tokens, subsets.conv_computed, subsets.conv_all) \
+                if subsets is not None else (0, 0, 0, 0)
             reused, use, reused_s = edit("a red door with a brass knocker", seed, mask, name)
             subsets = engine.runtime.subsets
             exact, _, exact_s = edit("a red door with a brass knocker", seed, mask, None)
@@ -108,25 +112,26 @@ def main() -> None:
                    "psnr_masked_db": psnr(exact[region], reused[region]),
                    "psnr_unmasked_db": psnr(exact[~region], reused[~region]),
                    "token_share": computed / max(1, subsets.all_tokens - before[1]),
+                   "conv_share": (subsets.conv_computed - before[2]) / max(1, subsets.conv_all - before[3]),
                    "reused_s": reused_s, "exact_s": exact_s}
             rows.append(row)
-            log.info("mask %.2f seed %d (%s): PSNR %.2f dB (masked %.2f, unmasked %.2f), SSIM %.4f, tokens %.0f%%; "
-                     "%.3f s reused, %.3f s exact", row["mask_ratio"], seed, use, row["psnr_db"],
-                     row["psnr_masked_db"], row["psnr_unmasked_db"], row["ssim"], 100 * row["token_share"], reused_s,
-                     exact_s)
+            log.info("mask %.2f seed %d (%s): PSNR %.2f dB (masked %.2f, unmasked %.2f), SSIM %.4f, tokens %.0f%%, "
+                     "ResNet positions %.0f%%; %.3f s reused, %.3f s exact", row["mask_ratio"], seed, use,
+                     row["psnr_db"], row["psnr_masked_db"], row["psnr_unmasked_db"], row["ssim"],
+                     100 * row["token_share"], 100 * row["conv_share"], reused_s, exact_s)
     summary = {}
     for ratio in ratios:
         mine = [r for r in rows if r["mask_ratio"] == float((centered_mask(args.size, ratio) > 0).mean())]
         summary[str(ratio)] = {k: statistics.median(r[k] for r in mine)
                                for k in ("mask_ratio", "psnr_db", "psnr_masked_db", "psnr_unmasked_db", "ssim",
-                                         "token_share", "reused_s", "exact_s")}
+                                         "token_share", "conv_share", "reused_s", "exact_s")}
         log.info("mask %s: median %s", ratio, {k: round(v, 4) for k, v in summary[str(ratio)].items()})
     # (PSNR of identical images is infinite: null in the JSON)
     finite = [{k: (None if isinstance(v, float) and np.isinf(v) else v) for k, v in r.items()} for r in rows]
     summary = {ratio: {k: (None if np.isinf(v) else v) for k, v in s.items()} for ratio, s in summary.items()}
     write_json(args.out, {"device": args.device, "gpu": torch.cuda.get_device_name() if args.device != "cpu" else None,
                           "size": args.size, "steps": args.steps, "seeds": args.seeds, "model": str(model),
-                          "runtime": args.runtime, "ratios": ratios,
+                          "runtime": args.runtime, "conv_subsets": args.conv_subsets, "ratios": ratios,
                           "rows": finite, "median_by_ratio": summary})
 
 

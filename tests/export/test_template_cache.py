@@ -127,13 +127,15 @@ def test_a_recording_over_the_device_budget_is_streamed_from_host_memory(setup):
 
 
 def test_a_streamed_recording_copies_only_the_blocks_its_plan_takes(setup, tmp_path):
-    """With a block profile whose odd blocks load too slowly to hide (runtime/cache_plan.py), a
-    streamed edit copies the even blocks' outputs only, takes the recording there and runs the
-    odd blocks whole: still its exact edit (the same request), fewer bytes over the link."""
+    """With a block profile whose odd transformer blocks load too slowly to hide
+    (runtime/cache_plan.py), a streamed edit copies the even ones' outputs only (and the ResNet
+    blocks'), takes the recording there and runs the odd ones whole: still its exact edit (the same
+    request), fewer bytes over the link."""
     import shutil
 
     from backends.core.engine.template_cache import TemplateCache
     from backends.core.runtime.cache_plan import BlockProfile, ProfiledBlock
+    from backends.core.runtime.conv_subsets import is_block_key
 
     exact, cached, *_ = setup
     folder = tmp_path / "denoiser"
@@ -153,8 +155,9 @@ def test_a_streamed_recording_copies_only_the_blocks_its_plan_takes(setup, tmp_p
     got = latents(streaming, edit)
     assert np.abs(got - want).max() <= TOL
     (recording,) = cache._tiers["host"].values()
-    even = sum(t.numel() * t.element_size() for (_, block), t in recording.outputs.items() if block % 2 == 0)
-    assert cache.stats.loaded_bytes["host"] == even < cache.nbytes("host")
+    copied = sum(t.numel() * t.element_size() for (_, key), t in recording.outputs.items()
+                 if not is_block_key(key) or key % 2 == 0)  # (the ResNet blocks' outputs always)
+    assert cache.stats.loaded_bytes["host"] == copied < cache.nbytes("host")
     assert 0 < context.computed_tokens - before[0] < context.all_tokens - before[1]
 
 
@@ -273,6 +276,40 @@ def test_edits_of_different_masks_share_a_step(setup):
     assert all(r.error is None for r in together)
     for got, want in zip(together, alone):
         assert np.abs(got.latents - want).max() <= TOL
+
+
+def test_resnet_blocks_on_the_masks_box(setup):
+    """With RuntimeConfig.conv_subsets (runtime/conv_subsets.py) reusing edits also run the ResNet
+    blocks on their mask's box: the same request again is still its exact edit, fewer ResNet
+    positions are computed, another prompt stays within the measured deviation, and two masks in
+    one step each give what they give alone (each keeps its own box of the shared one)."""
+    from backends.core.runtime.artifacts import load_unet_halves
+    from backends.core.runtime.torch_eager import EagerUNetRuntime
+
+    exact, cached, encoder, pipe, image, mask = setup
+    convs = TorchDenoiser(cached.folder, Placement(),
+                          runtime=EagerUNetRuntime(*load_unet_halves(cached.folder, Placement()), conv_subsets=True))
+    edit = job(setup, "reuse", template="arch")
+    want = latents(exact, dataclasses.replace(edit, edit=dataclasses.replace(edit.edit, template=None)))
+    latents(convs, job(setup, "record", template="arch"))
+    context = convs.runtime.subsets
+    assert context.conv_all == 0  # recording computes every position
+    assert np.abs(latents(convs, edit) - want).max() <= TOL
+    print(f"template reuse, ResNet blocks on the box: {context.conv_computed} of {context.conv_all} positions")
+    assert 0 < context.conv_computed < context.conv_all
+    other = job(setup, "other", prompt="a green door", template="arch")
+    want = latents(exact, dataclasses.replace(other, edit=dataclasses.replace(other.edit, template=None)))
+    deviation = np.abs(latents(convs, other) - want).max() / np.abs(want).max()
+    print(f"template reuse with the ResNet blocks on the box, another prompt: deviation {deviation:.4f}")
+    assert 0 < deviation <= APPROXIMATE
+    small = np.zeros_like(mask)
+    small[8:24, 40:56] = 255
+    narrow = job(setup, "narrow", prompt="a blue window", template="arch")
+    narrow = dataclasses.replace(narrow, edit=dataclasses.replace(narrow.edit, **encoded(pipe, image, small)))
+    alone = [latents(convs, j) for j in (edit, narrow)]
+    together = run(convs, [edit, narrow])
+    for got, want in zip(together, alone):
+        assert got.error is None and np.abs(got.latents - want).max() <= TOL
 
 
 def encoded(pipe, image, mask) -> dict:
@@ -410,6 +447,7 @@ def test_a_profile_leaves_whole_the_blocks_where_reuse_does_not_pay(setup, tmp_p
 
     from backends.core.engine.denoiser import TorchDenoiser
     from backends.core.runtime.cache_plan import BlockProfile, ProfiledBlock
+    from backends.core.runtime.conv_subsets import is_block_key
     from backends.core.runtime.placement import Placement
 
     from diffusers.models.attention import BasicTransformerBlock
@@ -423,6 +461,7 @@ def test_a_profile_leaves_whole_the_blocks_where_reuse_does_not_pay(setup, tmp_p
         BlockProfile(SIZE, (0.1, 0.5), tuple(ProfiledBlock(i, 1.0, (with_s, with_s), 0.0) for i in range(count))
                      ).write(folder)
         engine = TorchDenoiser(folder, Placement())
+        engine.runtime.conv_subsets = False  # the transformer blocks' plan alone
         latents(engine, job(setup, f"record-{name}", seed=41))
         before = (engine.runtime.subsets.computed_tokens, engine.runtime.subsets.all_tokens)
         outcomes[name] = latents(engine, job(setup, f"reuse-{name}", seed=41, prompt="a green door"))

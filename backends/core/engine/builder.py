@@ -111,7 +111,7 @@ def build_runtime(folder: Path, placement: Placement, config: RuntimeConfig,
 
 
 def _runtime(folder: Path, placement: Placement, config: RuntimeConfig) -> UNetRuntime:
-    eager = EagerUNetRuntime(*load_unet_halves(folder, placement))
+    eager = EagerUNetRuntime(*load_unet_halves(folder, placement), conv_subsets=config.conv_subsets)
     if config.kind == "eager":
         return eager
     from backends.core.runtime.fp8 import CALIBRATION_FILE

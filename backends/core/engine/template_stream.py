@@ -9,9 +9,10 @@ the template cache's load stream into the other of two device buffers, so it run
 compute. The buffer it writes was last read by step k-1: the copy waits for an event recorded on
 the compute stream after that step's kernels.
 
-Only the blocks a plan names are copied (runtime/cache_plan.StreamPlans: Algorithm 1 with the
-copies' times, so that a copy never outlasts the step it hides behind); a step takes the recording
-in the blocks copied for it (`ready`) and runs the others whole.
+Only the transformer blocks a plan names are copied (runtime/cache_plan.StreamPlans: Algorithm 1
+with the copies' times, so that a copy never outlasts the step it hides behind), with whatever
+else the recording holds (runtime/conv_subsets.py's ResNet blocks); a step takes the recording in
+the blocks copied for it (`prepare`'s return) and runs the others whole.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Callable
 
 import torch
 
+from backends.core.runtime.conv_subsets import is_block_key
 from backends.core.runtime.token_subsets import TemplateActivations
 
 
@@ -50,6 +52,9 @@ class StreamedActivations:
     def get(self, step: int, block: int, row: int) -> torch.Tensor:
         return self._buffers[step % 2][block][row]
 
+    def holds(self, step: int, key: int) -> bool:
+        return key in self._steps[step]
+
     def prepare(self, step: int, last: int, first: frozenset[int] | None = None,
                 ahead: frozenset[int] | None = None) -> frozenset[int] | None:
         """(The loop thread, assembling `step`, before its kernels are queued.) The step's outputs
@@ -71,11 +76,11 @@ class StreamedActivations:
 
     def _issue(self, step: int, blocks: frozenset[int] | None) -> None:
         outputs = self._steps[step]
-        if blocks is not None and not blocks >= outputs.keys():
-            outputs = {b: t for b, t in outputs.items() if b in blocks}
+        if blocks is not None and not blocks >= {b for b in outputs if is_block_key(b)}:
+            outputs = {b: t for b, t in outputs.items() if b in blocks or not is_block_key(b)}
         else:
             blocks = None
-        self._copied[step] = None if blocks is None else frozenset(outputs)
+        self._copied[step] = None if blocks is None else frozenset(b for b in outputs if is_block_key(b))
         buffers = self._buffers[step % 2]
         if buffers is None:  # every block's buffer, whichever blocks a step copies
             buffers = self._buffers[step % 2] = {b: torch.empty_like(t, device=self.device)

@@ -64,6 +64,10 @@ class RuntimeConfig:
     # token share (runtime/token_subsets.GRAPH_SHARES), captured when first needed (seconds, no
     # compile); off: such steps run eager.
     subset_graphs: bool = True
+    # Template edits' reusing rows also run the ResNet blocks on their mask's box, the rest from the
+    # recording (runtime/conv_subsets.py): approximate beyond the transformer blocks' reuse, opt-in
+    # until measured at SDXL size. Eager steps only: with subset_graphs, reusing steps run them whole.
+    conv_subsets: bool = False
 
     def __post_init__(self):
         if self.kind not in RUNTIME_KINDS:

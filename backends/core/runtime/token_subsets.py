@@ -13,8 +13,9 @@ inpaint.py says what it covers) runs each block on its masked tokens only:
 So the products that grow with the tokens (Q, attention, the output projection, cross-attention,
 the feed-forward) shrink to the masked share, while K and V cover every token from the block's
 actual input. What is cached is the block's output Y, not K and V: InstGenIE measured both and Y
-is half the bytes for a latency within 10% (its Fig. 7). Convolutions, GroupNorms and the
-transformer models' projections around the blocks run on every token, as before.
+is half the bytes for a latency within 10% (its Fig. 7). The transformer models' norms and
+projections around the blocks run on every token; the ResNet blocks too, or, where the runtime asks
+for it (SubsetContext.convs), on the mask's bounding box (runtime/conv_subsets.py).
 
 Reusing a recording is exact when nothing differs from the recorded run but the masked tokens'
 values were the same (the same request again); otherwise the unmasked tokens' outputs are the
@@ -61,6 +62,9 @@ class TemplateActivations:
     def get(self, step: int, block: int, row: int) -> torch.Tensor:
         return self.outputs[(step, block)][row]
 
+    def holds(self, step: int, key: int) -> bool:
+        return (step, key) in self.outputs
+
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.outputs.values())
@@ -76,6 +80,8 @@ class TokenRow:
     row: int = 0  # its row in the recording request (unconditional first, as the batch's)
     # REUSE: per token count L of a level, the [n] indices of the tokens it computes
     computed: dict[int, torch.Tensor] | None = None
+    # REUSE: per token count, the bounding box of those tokens (runtime/conv_subsets.py), or None
+    boxes: dict | None = None
 
 
 @dataclass(frozen=True)
@@ -163,26 +169,38 @@ def token_share(computed: dict[int, torch.Tensor]) -> float:
 class SubsetContext:
     """What the blocks of one runtime read while it runs a step: the step's layout, or None."""
 
-    def __init__(self):
+    def __init__(self, convs: bool = False):
         self.layout: TokenLayout | None = None
         self.computed_tokens = 0  # tokens the REUSE rows computed in blocks, summed (a test's and a metric's)
         self.all_tokens = 0  # the tokens those blocks would have computed
+        # ResNet blocks on the REUSE rows' masked boxes (runtime/conv_subsets.py), and their positions
+        # computed against those they would have
+        self.convs = convs
+        self.conv_computed = 0
+        self.conv_all = 0
 
 
-def install(module: torch.nn.Module) -> SubsetContext:
-    """Let every plain transformer block of `module` (a UNet, or its halves) serve token subsets;
-    returns their shared context. Nothing else changes (only the blocks' class: weights and names
-    stay diffusers')."""
+def install(module: torch.nn.Module, convs: bool = False) -> SubsetContext:
+    """Let every plain transformer block of `module` (a UNet, or its halves) serve token subsets,
+    and with `convs` every plain ResNet block its masked box (runtime/conv_subsets.py); returns
+    their shared context. Nothing else changes (only the blocks' class: weights and names stay
+    diffusers')."""
     from diffusers.models.attention import BasicTransformerBlock
 
-    context = SubsetContext()
-    cls = _subset_block_class()
-    index = 0
+    from backends.core.runtime import conv_subsets
+
+    context = SubsetContext(convs)
+    cls, resnet_cls = _subset_block_class(), _subset_resnet_class()
+    index = resnets = 0
     for block in module.modules():
         if type(block) is BasicTransformerBlock and _plain(block):
             block.__class__ = cls
             block._subset_context, block._subset_index = context, index
             index += 1
+        elif convs and conv_subsets.plain(block):
+            block.__class__ = resnet_cls
+            block._subset_context, block._resnet_index = context, resnets
+            resnets += 1
     return context
 
 
@@ -209,6 +227,22 @@ def _subset_block_class():
             return _run_rows(self, layout, hidden_states, encoder_hidden_states)
 
     return SubsetBlock
+
+
+@functools.cache
+def _subset_resnet_class():
+    from diffusers.models.resnet import ResnetBlock2D
+
+    from backends.core.runtime import conv_subsets
+
+    class SubsetResnet(ResnetBlock2D):
+        def forward(self, input_tensor, temb, *args, **kwargs):
+            layout = self._subset_context.layout
+            if not isinstance(layout, TokenLayout) or args or kwargs:  # (the static forms run it whole)
+                return super().forward(input_tensor, temb, *args, **kwargs)
+            return conv_subsets.run_rows(self, layout, input_tensor, temb)
+
+    return SubsetResnet
 
 
 def _run_rows(block, layout: TokenLayout, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from backends.core.runtime.unet_split import UNetDecoder, UNetEncoder
 class EagerUNetRuntime:
     caps = RuntimeCaps(name="eager", token_subsets=True)
 
-    def __init__(self, unet, encoder: UNetEncoder, decoder: UNetDecoder):
+    def __init__(self, unet, encoder: UNetEncoder, decoder: UNetDecoder, conv_subsets: bool = False):
         self.weights_module = unet
         self.weight_copies = (unet,)
         self.streams = ()
@@ -30,6 +30,9 @@ class EagerUNetRuntime:
         self.layers = ModelLayers(unet)
         self.stats = RuntimeStats()
         self.subsets = None  # the transformer blocks' SubsetContext, once a step first has token subsets
+        # Reusing rows run the ResNet blocks on their masked box (RuntimeConfig.conv_subsets); read
+        # at the first step with token subsets.
+        self.conv_subsets = conv_subsets
 
     @torch.inference_mode()
     def encode(self, batch: StepBatch) -> EncoderOut:
@@ -79,7 +82,7 @@ class EagerUNetRuntime:
         if self.subsets is None:
             from backends.core.runtime.token_subsets import install
 
-            self.subsets = install(self.weights_module)
+            self.subsets = install(self.weights_module, convs=self.conv_subsets)
         return self.subsets
 
     def _loras(self, batch: StepBatch):

@@ -86,6 +86,8 @@ class FastUNetRuntime:
         if device.type != "cuda":
             raise ValueError(f"runtime.kind={config.kind!r} needs a CUDA device (this denoiser is on {device})")
         self.eager = eager
+        # Reusing steps as graphs run the ResNet blocks whole: recording them would only take room.
+        eager.conv_subsets = config.conv_subsets and not config.subset_graphs
         self.config = config
         self.device = device
         self.weights_module = eager.weights_module

@@ -29,6 +29,7 @@ from backends.core.engine.template_stream import StreamedActivations
 from backends.core.engine.workflows.txt2img import Txt2Img
 from backends.core.request.params import InvalidInput
 from backends.core.runtime.cache_plan import StreamPlans
+from backends.core.runtime.conv_subsets import masked_boxes
 from backends.core.runtime.host_copies import to_device
 from backends.core.runtime.token_subsets import (FULL, RECORD, REUSE, TemplateActivations, TokenLayout, TokenRow,
                                                  computed_tokens, token_share)
@@ -50,6 +51,7 @@ class InpaintState(RequestState):
     template_key: tuple | None = None
     recording: TemplateActivations | StreamedActivations | None = None
     computed: dict[int, torch.Tensor] | None = None
+    boxes: dict | None = None  # REUSE: those tokens' bounding boxes (runtime/conv_subsets.py)
     loading: Future | None = None  # its recording on its way to the device (the loop holds it until then)
 
 
@@ -117,7 +119,9 @@ class Inpaint(Txt2Img):
             state.template_role = REUSE if reuse else RECORD
             state.template_use = "reused" if reuse else "recorded"
             if reuse:
-                state.computed = computed_tokens(mask, len(m.unet_config.block_out_channels))
+                levels = len(m.unet_config.block_out_channels)
+                state.computed = computed_tokens(mask, levels)
+                state.boxes = masked_boxes(mask, levels)
                 state.token_share = token_share(state.computed)
         return state
 
@@ -158,7 +162,7 @@ class Inpaint(Txt2Img):
                 ready = s.recording.prepare(s.index, len(s.timesteps) - 1, *(
                     (plans.first, plans.ahead) if plans is not None else ()))
                 cached = _within(cached, ready)
-        rows = tuple(TokenRow(s.template_role, s.recording, s.index, r, s.computed)
+        rows = tuple(TokenRow(s.template_role, s.recording, s.index, r, s.computed, s.boxes)
                      for s in states for r in range(s.rows))
         return TokenLayout(rows, cached)
 

@@ -1,0 +1,205 @@
+"""ResNet blocks on a reusing template edit's masked region (the convolutions' share of
+InstGenIE's mask-aware editing; runtime/token_subsets.py does the transformer blocks).
+
+Outside the transformer blocks a UNet's work is mostly its ResNet blocks (20% of SDXL's FLOPs at
+1024 px, bench/micro/template_flops.py); run on every token they cap a reusing edit at about 2x
+over exact at a 20% mask. A reusing row computes a ResNet block only on its mask's bounding box at
+that grid, widened by `MARGIN`, and takes the rest of the block's output from the recording:
+
+    a1 = silu(norm1(x)) on the box widened by 2      (norm1's statistics over the whole grid)
+    h  = conv1(a1) + temb, on the box widened by 1   (no padding: a1 was cut wide enough)
+    a2 = silu(norm2(h))                              (norm2's statistics recorded: h exists only here)
+    y  = the recorded output, with shortcut(x) + conv2(a2) in the box
+
+Where the widened box leaves the grid the cut is zero-padded, as the convolutions' own padding
+is. The recording run keeps each block's output and norm2's statistics per row (`keys`), beside
+the transformer blocks' outputs. The same request again reproduces its exact edit; another
+prompt's edit differs, like the transformer blocks' reuse, in what the recording stands in for.
+
+The rows of a step share one box (the union of theirs: one convolution call each) and each keeps
+its own part of it, so that an edit's result does not depend on the rows beside it. Eager only:
+the static forms CUDA graphs capture (StaticSubsets) run these blocks whole, and a runtime whose
+reusing steps are such graphs records nothing for them (SubsetContext.convs).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+# Tokens a ResNet block computes beyond its mask's bounding box on each side (a token partly
+# masked is already in the box).
+MARGIN = 1
+# Recording keys: ResNet block i's output under KEY_BASE + 2i, norm2's statistics under the next
+# (transformer blocks use their install index, below KEY_BASE).
+KEY_BASE = 1 << 16
+
+Box = tuple[int, int, int, int]  # (top, bottom, left, right) on a token grid, end-exclusive
+
+
+def keys(index: int) -> tuple[int, int]:
+    """The recording keys of ResNet block `index`: its output, its norm2 statistics."""
+    return KEY_BASE + 2 * index, KEY_BASE + 2 * index + 1
+
+
+def is_block_key(key: int) -> bool:
+    """Whether a recording key is a transformer block's (one that a cache plan may leave out)."""
+    return key < KEY_BASE
+
+
+def masked_boxes(mask: torch.Tensor, levels: int) -> dict[int, Box | None]:
+    """A latent-size mask [1, 1, h, w] (1: repaint) -> per level's token count (as
+    token_subsets.computed_tokens), the bounding box of the tokens that cover a masked latent;
+    None where there is none. Host ints, read once at admission."""
+    out = {}
+    for h, w in ((mask.shape[-2] >> i, mask.shape[-1] >> i) for i in range(levels)):
+        pooled = F.adaptive_max_pool2d(mask.float(), (h, w))[0, 0] > 0
+        rows, cols = pooled.any(1).nonzero().reshape(-1), pooled.any(0).nonzero().reshape(-1)
+        out[h * w] = None if rows.numel() == 0 else (int(rows[0]), int(rows[-1]) + 1, int(cols[0]), int(cols[-1]) + 1)
+    return out
+
+
+def plain(block) -> bool:
+    """SDXL's ResNet blocks: GroupNorm, SiLU, two 3x3 convolutions, a time embedding added, an
+    optional 1x1 shortcut; no resampling inside."""
+    from diffusers.models.resnet import ResnetBlock2D
+
+    def conv(c, k):
+        return isinstance(c, torch.nn.Conv2d) and c.kernel_size == (k, k) and c.stride == (1, 1) \
+            and c.padding == (k // 2, k // 2) and c.dilation == (1, 1) and c.groups == 1
+    return (type(block) is ResnetBlock2D and block.upsample is None and block.downsample is None
+            and block.time_embedding_norm == "default" and block.time_emb_proj is not None
+            and isinstance(block.norm1, torch.nn.GroupNorm) and isinstance(block.norm2, torch.nn.GroupNorm)
+            and isinstance(block.nonlinearity, torch.nn.SiLU) and conv(block.conv1, 3) and conv(block.conv2, 3)
+            and (block.conv_shortcut is None or conv(block.conv_shortcut, 1)))
+
+
+def whole(block, x: torch.Tensor, temb: torch.Tensor, stats: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The block on every token, as diffusers' forward runs a plain one; with norm2's statistics
+    per row ([rows, 2, groups]: mean, variance) when `stats`."""
+    h = block.conv1(block.nonlinearity(block.norm1(x)))
+    t = temb if block.skip_time_act else block.nonlinearity(temb)
+    h = h + block.time_emb_proj(t)[:, :, None, None]
+    kept = _stats(h, block.norm2.num_groups) if stats else None
+    h = block.conv2(block.dropout(block.nonlinearity(block.norm2(h))))
+    shortcut = x if block.conv_shortcut is None else block.conv_shortcut(x)
+    return (shortcut + h) / block.output_scale_factor, kept
+
+
+def region(block, x: torch.Tensor, temb: torch.Tensor, box: Box, recorded: torch.Tensor,
+           norm2_stats: torch.Tensor, own: list[Box] | None = None) -> torch.Tensor:
+    """The block's output for rows whose output outside `box` is `recorded` ([rows, C', H, W]),
+    computed in the box from `x` ([rows, C, H, W]) and norm2's recorded statistics; with `own`
+    (each row's box, within `box`), computed only in each row's own."""
+    top, bottom, left, right = box
+    height, width = x.shape[-2:]
+    a1 = _cut(x, (top - 2, bottom + 2, left - 2, right + 2),
+              lambda t: block.nonlinearity(_normed(t, block.norm1, _stats(x, block.norm1.num_groups))))
+    h = F.conv2d(a1, block.conv1.weight, block.conv1.bias)  # the box widened by 1, on the grid or past it
+    t = temb if block.skip_time_act else block.nonlinearity(temb)
+    h = h + block.time_emb_proj(t)[:, :, None, None]
+    # norm2 with the recorded statistics, zero where the widened box is past the grid (conv2's padding)
+    r0, c0 = max(0, 1 - top), max(0, 1 - left)
+    r1, c1 = h.shape[-2] - max(0, bottom + 1 - height), h.shape[-1] - max(0, right + 1 - width)
+    a2 = block.nonlinearity(_normed(h[..., r0:r1, c0:c1], block.norm2, norm2_stats))
+    a2 = F.pad(a2, (c0, h.shape[-1] - c1, r0, h.shape[-2] - r1))
+    y = F.conv2d(a2, block.conv2.weight, block.conv2.bias)
+    shortcut = x[..., top:bottom, left:right]
+    if block.conv_shortcut is not None:
+        shortcut = block.conv_shortcut(shortcut)
+    y = (shortcut + y) / block.output_scale_factor
+    out = recorded.clone()
+    if own is None:
+        out[..., top:bottom, left:right] = y
+        return out
+    for k, (t, b, l, r) in enumerate(own):  # each row its own box: what it gets alone
+        out[k, :, t:b, l:r] = y[k, :, t - top:b - top, l - left:r - left]
+    return out
+
+
+def widened(boxes: list[Box], height: int, width: int) -> Box:
+    """The union of `boxes`, widened by MARGIN and kept on the grid."""
+    return (max(0, min(b[0] for b in boxes) - MARGIN), min(height, max(b[1] for b in boxes) + MARGIN),
+            max(0, min(b[2] for b in boxes) - MARGIN), min(width, max(b[3] for b in boxes) + MARGIN))
+
+
+def _cut(x: torch.Tensor, window: Box, fn) -> torch.Tensor:
+    """fn(x) on `window` of x's grid (which may reach past it), zero past the grid."""
+    top, bottom, left, right = window
+    height, width = x.shape[-2:]
+    inner = fn(x[..., max(0, top):min(height, bottom), max(0, left):min(width, right)])
+    return F.pad(inner, (max(0, -left), max(0, right - width), max(0, -top), max(0, bottom - height)))
+
+
+def _stats(h: torch.Tensor, groups: int) -> torch.Tensor:
+    """GroupNorm's statistics per row: [rows, 2, groups] (mean, biased variance), in fp32."""
+    var, mean = torch.var_mean(h.float().reshape(h.shape[0], groups, -1), dim=-1, unbiased=False)
+    return torch.stack([mean, var], dim=1)
+
+
+def _normed(t: torch.Tensor, norm: torch.nn.GroupNorm, stats: torch.Tensor) -> torch.Tensor:
+    """`norm` applied to `t` (a cut of the grid) with the whole grid's statistics."""
+    rows, channels = t.shape[:2]
+    groups = norm.num_groups
+    mean, var = stats[:, 0].reshape(rows, groups, 1), stats[:, 1].reshape(rows, groups, 1)
+    g = ((t.float().reshape(rows, groups, -1) - mean) * torch.rsqrt(var + norm.eps)).reshape(t.shape).to(t.dtype)
+    if norm.affine:
+        g = g * norm.weight.reshape(1, channels, 1, 1) + norm.bias.reshape(1, channels, 1, 1)
+    return g
+
+
+def run_rows(block, layout, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+    """Every row of the step (a TokenLayout) through the ResNet block `block`: REUSE rows whose
+    recording holds it on their shared box, the others whole (RECORD rows' outputs and norm2
+    statistics kept)."""
+    from diffusers.models.resnet import ResnetBlock2D
+
+    from backends.core.runtime.token_subsets import RECORD, REUSE
+
+    context = block._subset_context
+    out_key, stats_key = keys(block._resnet_index)
+    height, width = x.shape[-2:]
+    tokens = height * width
+    rows = layout.rows
+    reuse = tuple(i for i, r in enumerate(rows) if r.role == REUSE and r.boxes is not None
+                  and r.boxes.get(tokens) is not None and r.activations.holds(r.step, out_key))
+    rest = tuple(i for i in range(len(rows)) if i not in reuse)
+    own = [widened([rows[i].boxes[tokens]], height, width) for i in reuse]
+    box = widened([rows[i].boxes[tokens] for i in reuse], height, width) if reuse else None
+    reusing = sum(r.role == REUSE for r in rows)
+    context.conv_computed += len(reuse) * ((box[1] - box[0]) * (box[3] - box[2]) if box else 0) \
+        + (reusing - len(reuse)) * tokens
+    context.conv_all += reusing * tokens
+    record = [i for i in rest if rows[i].role == RECORD]
+    if not reuse and not record:
+        return ResnetBlock2D.forward(block, x, temb)
+    if not reuse:
+        return _kept(rows, rest, record, (out_key, stats_key), *whole(block, x, temb, stats=True))
+    out = None
+    if rest:
+        idx = layout.index(rest, x.device)
+        y = _kept(rows, rest, record, (out_key, stats_key),
+                  *whole(block, x.index_select(0, idx), temb.index_select(0, idx), stats=bool(record)))
+        out = y.new_empty((x.shape[0], *y.shape[1:]))
+        out.index_copy_(0, idx, y)
+    idx = layout.index(reuse, x.device)
+    recorded = torch.stack([rows[i].activations.get(rows[i].step, out_key, rows[i].row) for i in reuse])
+    stats = torch.stack([rows[i].activations.get(rows[i].step, stats_key, rows[i].row) for i in reuse])
+    # One box for the step (one call per convolution); each row keeps only its own, so that what it
+    # gets does not depend on the rows beside it.
+    y = region(block, x.index_select(0, idx), temb.index_select(0, idx), box, recorded, stats,
+               None if all(b == box for b in own) else own)
+    if out is None:
+        return y
+    out.index_copy_(0, idx, y)
+    return out
+
+
+def _kept(rows, positions, record, keys_, y: torch.Tensor, stats: torch.Tensor | None) -> torch.Tensor:
+    """`y` (and norm2's `stats`) of the rows at `positions`, kept for those in `record`."""
+    for k, i in enumerate(positions):
+        if i in record:
+            r = rows[i]
+            r.activations.put(r.step, keys_[0], r.row, y[k])
+            r.activations.put(r.step, keys_[1], r.row, stats[k])
+    return y
