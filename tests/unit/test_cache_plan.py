@@ -42,7 +42,7 @@ def test_a_profile_prices_rows_interpolates_ratios_and_round_trips(tmp_path):
     assert first == BlockCost(2 * 1.0, 2 * 2.0, 2 * 1.0)  # halfway between 0.5 and 1.5, per row
     assert profile.costs(0.05, 1)[0] == BlockCost(0.5, 2.0, 0.0)  # below the first ratio: held flat
     assert second.with_cache_s > second.without_cache_s
-    assert profile.plan(0.3, rows=2) == frozenset({7})  # block 3's masked run is slower
+    assert profile.stream_plans(0.3, rows=2, loaded_rows=0).now == frozenset({7})  # block 3's masked run is slower
     profile.write(tmp_path)
     assert BlockProfile.read(tmp_path) == profile and BlockProfile.read(tmp_path / "none") is None
     (tmp_path / PROFILE_FILE).write_text('{"size": 64, "ratios": [0.5, 0.1], "blocks": []}')

@@ -100,10 +100,6 @@ class BlockProfile:
         return [BlockCost(rows * _interpolate(self.ratios, b.with_s, share), rows * b.without_s,
                           loaded_rows * b.load_s) for b in self.blocks]
 
-    def plan(self, share: float, rows: int, loaded_rows: int = 0, lead_s: float = 0.0) -> frozenset[int]:
-        """The indices of the blocks that take the recording (Algorithm 1 on these costs)."""
-        return self._indices(plan_cache_use(self.costs(share, rows, loaded_rows), lead_s))
-
     @functools.lru_cache(maxsize=1024)  # asked at every step of a reusing batch
     def stream_plans(self, share: float, rows: int, loaded_rows: int) -> "StreamPlans":
         """The plans of a step whose `loaded_rows` stream their recordings a step ahead."""
