@@ -8,12 +8,15 @@ that grid, widened by `MARGIN`, and takes the rest of the block's output from th
 
     a1 = silu(norm1(x)) on the box widened by 2      (norm1's statistics over the whole grid)
     h  = conv1(a1) + temb, on the box widened by 1   (no padding: a1 was cut wide enough)
-    a2 = silu(norm2(h))                              (norm2's statistics recorded: h exists only here)
+    a2 = silu(norm2(h))                              (norm2's statistics: the recorded ones, with
+                                                      the window's recorded share replaced by h's)
     y  = the recorded output, with shortcut(x) + conv2(a2) in the box
 
 Where the widened box leaves the grid the cut is zero-padded, as the convolutions' own padding
-is. The recording run keeps each block's output and norm2's statistics per row (`keys`), beside
-the transformer blocks' outputs. The same request again reproduces its exact edit; another
+is. The recording run keeps each block's output, norm2's statistics and, per position, each
+group's sums of h's deviations from its mean and of their squares (`keys`; the sums let a box's
+share of the statistics be swapped for the edit's: with the recorded statistics alone the tiny
+model lost 1.9-7.3 dB more, bench/results/2026-11-29c-cpu), beside the transformer blocks' outputs. The same request again reproduces its exact edit; another
 prompt's edit differs, like the transformer blocks' reuse, in what the recording stands in for.
 
 The rows of a step share one box (the union of theirs: one convolution call each) and each keeps
@@ -30,16 +33,16 @@ import torch.nn.functional as F
 # Tokens a ResNet block computes beyond its mask's bounding box on each side (a token partly
 # masked is already in the box).
 MARGIN = 1
-# Recording keys: ResNet block i's output under KEY_BASE + 2i, norm2's statistics under the next
-# (transformer blocks use their install index, below KEY_BASE).
+# Recording keys: ResNet block i's output under KEY_BASE + 3i, then norm2's statistics and its
+# per-position deviation sums (transformer blocks use their install index, below KEY_BASE).
 KEY_BASE = 1 << 16
 
 Box = tuple[int, int, int, int]  # (top, bottom, left, right) on a token grid, end-exclusive
 
 
-def keys(index: int) -> tuple[int, int]:
-    """The recording keys of ResNet block `index`: its output, its norm2 statistics."""
-    return KEY_BASE + 2 * index, KEY_BASE + 2 * index + 1
+def keys(index: int) -> tuple[int, int, int]:
+    """The recording keys of ResNet block `index`: its output, norm2's statistics, their maps."""
+    return KEY_BASE + 3 * index, KEY_BASE + 3 * index + 1, KEY_BASE + 3 * index + 2
 
 
 def is_block_key(key: int) -> bool:
@@ -74,23 +77,42 @@ def plain(block) -> bool:
             and (block.conv_shortcut is None or conv(block.conv_shortcut, 1)))
 
 
-def whole(block, x: torch.Tensor, temb: torch.Tensor, stats: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """The block on every token, as diffusers' forward runs a plain one; with norm2's statistics
-    per row ([rows, 2, groups]: mean, variance) when `stats`."""
+def whole(block, x: torch.Tensor, temb: torch.Tensor,
+          stats: bool) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """The block on every token, as diffusers' forward runs a plain one; with `stats`, also what a
+    reusing row needs of norm2's input h: its statistics per row ([rows, 2, groups]: mean,
+    variance) and per position each group's sums of its deviations from the mean and of their
+    squares ([rows, 2, groups, H, W], fp32), from which a box's share is taken out (`corrected`)."""
     h = block.conv1(block.nonlinearity(block.norm1(x)))
     t = temb if block.skip_time_act else block.nonlinearity(temb)
     h = h + block.time_emb_proj(t)[:, :, None, None]
-    kept = _stats(h, block.norm2.num_groups) if stats else None
+    kept = maps = None
+    if stats:
+        kept = _stats(h, block.norm2.num_groups)
+        maps = _deviation_sums(h, kept[:, 0], block.norm2.num_groups)
     h = block.conv2(block.dropout(block.nonlinearity(block.norm2(h))))
     shortcut = x if block.conv_shortcut is None else block.conv_shortcut(x)
-    return (shortcut + h) / block.output_scale_factor, kept
+    return (shortcut + h) / block.output_scale_factor, kept, maps
+
+
+def corrected(stats: torch.Tensor, maps: torch.Tensor, h: torch.Tensor, window: Box, positions: int) -> torch.Tensor:
+    """norm2's statistics ([rows, 2, groups]) of an h that is the recorded one (`stats`, `maps`:
+    whole's) except on `window` of the grid, where it is `h` ([rows, C, window])."""
+    top, bottom, left, right = window
+    groups = stats.shape[-1]
+    mean = stats[:, 0]
+    new = _deviation_sums(h, mean, groups).sum((-1, -2))
+    old = maps[..., top:bottom, left:right].sum((-1, -2))
+    shift = (new[:, 0] - old[:, 0]) / positions
+    var = stats[:, 1] + (new[:, 1] - old[:, 1]) / positions - shift * shift
+    return torch.stack([mean + shift, var.clamp_min(0.0)], dim=1)
 
 
 def region(block, x: torch.Tensor, temb: torch.Tensor, box: Box, recorded: torch.Tensor,
-           norm2_stats: torch.Tensor, own: list[Box] | None = None) -> torch.Tensor:
+           norm2_stats: torch.Tensor, norm2_maps: torch.Tensor, own: list[Box] | None = None) -> torch.Tensor:
     """The block's output for rows whose output outside `box` is `recorded` ([rows, C', H, W]),
-    computed in the box from `x` ([rows, C, H, W]) and norm2's recorded statistics; with `own`
-    (each row's box, within `box`), computed only in each row's own."""
+    computed in the box from `x` ([rows, C, H, W]) and what whole() kept of norm2's input; with
+    `own` (each row's box, within `box`), computed only in each row's own."""
     top, bottom, left, right = box
     height, width = x.shape[-2:]
     a1 = _cut(x, (top - 2, bottom + 2, left - 2, right + 2),
@@ -98,10 +120,22 @@ def region(block, x: torch.Tensor, temb: torch.Tensor, box: Box, recorded: torch
     h = F.conv2d(a1, block.conv1.weight, block.conv1.bias)  # the box widened by 1, on the grid or past it
     t = temb if block.skip_time_act else block.nonlinearity(temb)
     h = h + block.time_emb_proj(t)[:, :, None, None]
-    # norm2 with the recorded statistics, zero where the widened box is past the grid (conv2's padding)
+    # norm2 with the recorded statistics corrected by the window's h, zero where the window is past
+    # the grid (conv2's padding)
     r0, c0 = max(0, 1 - top), max(0, 1 - left)
     r1, c1 = h.shape[-2] - max(0, bottom + 1 - height), h.shape[-1] - max(0, right + 1 - width)
-    a2 = block.nonlinearity(_normed(h[..., r0:r1, c0:c1], block.norm2, norm2_stats))
+    inner = h[..., r0:r1, c0:c1]
+    positions = h.shape[1] // block.norm2.num_groups * height * width
+    if own is None:
+        window = (top - 1 + r0, top - 1 + r1, left - 1 + c0, left - 1 + c1)
+        stats = corrected(norm2_stats, norm2_maps, inner, window, positions)
+    else:  # each row's own window, as it is alone
+        stats = torch.cat([corrected(norm2_stats[k:k + 1], norm2_maps[k:k + 1],
+                                     h[k:k + 1, :, w[0] - top + 1:w[1] - top + 1, w[2] - left + 1:w[3] - left + 1],
+                                     w, positions)
+                           for k, w in enumerate((max(0, t - 1), min(height, b + 1), max(0, l - 1), min(width, r + 1))
+                                                 for t, b, l, r in own)])
+    a2 = block.nonlinearity(_normed(inner, block.norm2, stats))
     a2 = F.pad(a2, (c0, h.shape[-1] - c1, r0, h.shape[-2] - r1))
     y = F.conv2d(a2, block.conv2.weight, block.conv2.bias)
     shortcut = x[..., top:bottom, left:right]
@@ -131,6 +165,14 @@ def _cut(x: torch.Tensor, window: Box, fn) -> torch.Tensor:
     return F.pad(inner, (max(0, -left), max(0, right - width), max(0, -top), max(0, bottom - height)))
 
 
+def _deviation_sums(h: torch.Tensor, mean: torch.Tensor, groups: int) -> torch.Tensor:
+    """Per position, each group's sum of h's deviations from `mean` ([rows, groups]) and of their
+    squares: [rows, 2, groups, H, W], fp32."""
+    rows, channels = h.shape[:2]
+    d = h.float().reshape(rows, groups, channels // groups, *h.shape[2:]) - mean.reshape(rows, groups, 1, 1, 1)
+    return torch.stack([d.sum(2), (d * d).sum(2)], dim=1)
+
+
 def _stats(h: torch.Tensor, groups: int) -> torch.Tensor:
     """GroupNorm's statistics per row: [rows, 2, groups] (mean, biased variance), in fp32."""
     var, mean = torch.var_mean(h.float().reshape(h.shape[0], groups, -1), dim=-1, unbiased=False)
@@ -157,7 +199,7 @@ def run_rows(block, layout, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor
     from backends.core.runtime.token_subsets import RECORD, REUSE
 
     context = block._subset_context
-    out_key, stats_key = keys(block._resnet_index)
+    out_key, stats_key, maps_key = keys(block._resnet_index)
     height, width = x.shape[-2:]
     tokens = height * width
     rows = layout.rows
@@ -173,21 +215,22 @@ def run_rows(block, layout, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor
     record = [i for i in rest if rows[i].role == RECORD]
     if not reuse and not record:
         return ResnetBlock2D.forward(block, x, temb)
+    kept_keys = (out_key, stats_key, maps_key)
     if not reuse:
-        return _kept(rows, rest, record, (out_key, stats_key), *whole(block, x, temb, stats=True))
+        return _kept(rows, rest, record, kept_keys, whole(block, x, temb, stats=True))
     out = None
     if rest:
         idx = layout.index(rest, x.device)
-        y = _kept(rows, rest, record, (out_key, stats_key),
-                  *whole(block, x.index_select(0, idx), temb.index_select(0, idx), stats=bool(record)))
+        y = _kept(rows, rest, record, kept_keys,
+                  whole(block, x.index_select(0, idx), temb.index_select(0, idx), stats=bool(record)))
         out = y.new_empty((x.shape[0], *y.shape[1:]))
         out.index_copy_(0, idx, y)
     idx = layout.index(reuse, x.device)
-    recorded = torch.stack([rows[i].activations.get(rows[i].step, out_key, rows[i].row) for i in reuse])
-    stats = torch.stack([rows[i].activations.get(rows[i].step, stats_key, rows[i].row) for i in reuse])
+    recorded, stats, maps = (torch.stack([rows[i].activations.get(rows[i].step, key, rows[i].row) for i in reuse])
+                             for key in kept_keys)
     # One box for the step (one call per convolution); each row keeps only its own, so that what it
     # gets does not depend on the rows beside it.
-    y = region(block, x.index_select(0, idx), temb.index_select(0, idx), box, recorded, stats,
+    y = region(block, x.index_select(0, idx), temb.index_select(0, idx), box, recorded, stats, maps,
                None if all(b == box for b in own) else own)
     if out is None:
         return y
@@ -195,11 +238,12 @@ def run_rows(block, layout, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor
     return out
 
 
-def _kept(rows, positions, record, keys_, y: torch.Tensor, stats: torch.Tensor | None) -> torch.Tensor:
-    """`y` (and norm2's `stats`) of the rows at `positions`, kept for those in `record`."""
+def _kept(rows, positions, record, keys_, outputs) -> torch.Tensor:
+    """whole()'s `outputs` (the block's output, norm2's statistics and maps) of the rows at
+    `positions`, kept for those in `record`; the output."""
     for k, i in enumerate(positions):
         if i in record:
             r = rows[i]
-            r.activations.put(r.step, keys_[0], r.row, y[k])
-            r.activations.put(r.step, keys_[1], r.row, stats[k])
-    return y
+            for key, t in zip(keys_, outputs):
+                r.activations.put(r.step, key, r.row, t[k])
+    return outputs[0]
