@@ -13,10 +13,11 @@ that grid, widened by `MARGIN`, and takes the rest of the block's output from th
     y  = the recorded output, with shortcut(x) + conv2(a2) in the box
 
 Where the widened box leaves the grid the cut is zero-padded, as the convolutions' own padding
-is. The recording run keeps each block's output, norm2's statistics and, per position, each
-group's sums of h's deviations from its mean and of their squares (`keys`; the sums let a box's
-share of the statistics be swapped for the edit's: with the recorded statistics alone the tiny
-model lost 1.9-7.3 dB more, bench/results/2026-11-29c-cpu), beside the transformer blocks' outputs. The same request again reproduces its exact edit; another
+is. The recording run keeps, beside the transformer blocks' outputs, each ResNet block's output,
+norm2's statistics and, per position, each group's sums of h's deviations from its mean and of
+their squares (`keys`). The sums let the box's share of the statistics be swapped for the edit's:
+with the recorded statistics as they are, the tiny model lost 1.9-7.3 dB more
+(bench/results/2026-11-29c-cpu). The same request again reproduces its exact edit; another
 prompt's edit differs, like the transformer blocks' reuse, in what the recording stands in for.
 
 The rows of a step share one box (the union of theirs: one convolution call each) and each keeps
