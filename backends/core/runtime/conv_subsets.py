@@ -54,7 +54,7 @@ def is_block_key(key: int) -> bool:
 def masked_boxes(mask: torch.Tensor, levels: int) -> dict[int, Box | None]:
     """A latent-size mask [1, 1, h, w] (1: repaint) -> per level's token count (as
     token_subsets.computed_tokens), the bounding box of the tokens that cover a masked latent;
-    None where there is none. Host ints, read once at admission."""
+    None where there is none. Made once at admission, from the mask in host memory."""
     out = {}
     for h, w in ((mask.shape[-2] >> i, mask.shape[-1] >> i) for i in range(levels)):
         pooled = F.adaptive_max_pool2d(mask.float(), (h, w))[0, 0] > 0
@@ -121,23 +121,24 @@ def region(block, x: torch.Tensor, temb: torch.Tensor, box: Box, recorded: torch
     h = F.conv2d(a1, block.conv1.weight, block.conv1.bias)  # the box widened by 1, on the grid or past it
     t = temb if block.skip_time_act else block.nonlinearity(temb)
     h = h + block.time_emb_proj(t)[:, :, None, None]
-    # norm2 with the recorded statistics corrected by the window's h, zero where the window is past
-    # the grid (conv2's padding)
-    r0, c0 = max(0, 1 - top), max(0, 1 - left)
-    r1, c1 = h.shape[-2] - max(0, bottom + 1 - height), h.shape[-1] - max(0, right + 1 - width)
-    inner = h[..., r0:r1, c0:c1]
+    # norm2 with the recorded statistics corrected by h on the window (a box widened by 1, on the
+    # grid), zero past the grid (conv2's padding)
+    def window(b: Box) -> Box:
+        return max(0, b[0] - 1), min(height, b[1] + 1), max(0, b[2] - 1), min(width, b[3] + 1)
+
+    def on(w: Box, rows: slice = slice(None)) -> torch.Tensor:  # h, which starts at (top - 1, left - 1), on `w`
+        return h[rows, :, w[0] - top + 1:w[1] - top + 1, w[2] - left + 1:w[3] - left + 1]
+
     positions = h.shape[1] // block.norm2.num_groups * height * width
+    whole_window = window(box)
     if own is None:
-        window = (top - 1 + r0, top - 1 + r1, left - 1 + c0, left - 1 + c1)
-        stats = corrected(norm2_stats, norm2_maps, inner, window, positions)
+        stats = corrected(norm2_stats, norm2_maps, on(whole_window), whole_window, positions)
     else:  # each row's own window, as it is alone
-        stats = torch.cat([corrected(norm2_stats[k:k + 1], norm2_maps[k:k + 1],
-                                     h[k:k + 1, :, w[0] - top + 1:w[1] - top + 1, w[2] - left + 1:w[3] - left + 1],
-                                     w, positions)
-                           for k, w in enumerate((max(0, t - 1), min(height, b + 1), max(0, l - 1), min(width, r + 1))
-                                                 for t, b, l, r in own)])
-    a2 = block.nonlinearity(_normed(inner, block.norm2, stats))
-    a2 = F.pad(a2, (c0, h.shape[-1] - c1, r0, h.shape[-2] - r1))
+        stats = torch.cat([corrected(norm2_stats[k:k + 1], norm2_maps[k:k + 1], on(w, slice(k, k + 1)), w, positions)
+                           for k, w in enumerate(map(window, own))])
+    a2 = block.nonlinearity(_normed(on(whole_window), block.norm2, stats))
+    r0, c0 = whole_window[0] - top + 1, whole_window[2] - left + 1
+    a2 = F.pad(a2, (c0, h.shape[-1] - c0 - a2.shape[-1], r0, h.shape[-2] - r0 - a2.shape[-2]))
     y = F.conv2d(a2, block.conv2.weight, block.conv2.bias)
     shortcut = x[..., top:bottom, left:right]
     if block.conv_shortcut is not None:
@@ -147,8 +148,8 @@ def region(block, x: torch.Tensor, temb: torch.Tensor, box: Box, recorded: torch
     if own is None:
         out[..., top:bottom, left:right] = y
         return out
-    for k, (t, b, l, r) in enumerate(own):  # each row its own box: what it gets alone
-        out[k, :, t:b, l:r] = y[k, :, t - top:b - top, l - left:r - left]
+    for k, (b_top, b_bottom, b_left, b_right) in enumerate(own):  # each row its own box: what it gets alone
+        out[k, :, b_top:b_bottom, b_left:b_right] = y[k, :, b_top - top:b_bottom - top, b_left - left:b_right - left]
     return out
 
 
@@ -208,7 +209,8 @@ def run_rows(block, layout, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor
                   and r.boxes.get(tokens) is not None and r.activations.holds(r.step, out_key))
     rest = tuple(i for i in range(len(rows)) if i not in reuse)
     own = [widened([rows[i].boxes[tokens]], height, width) for i in reuse]
-    box = widened([rows[i].boxes[tokens] for i in reuse], height, width) if reuse else None
+    box = (min(b[0] for b in own), max(b[1] for b in own), min(b[2] for b in own), max(b[3] for b in own)) \
+        if own else None  # (the union of the rows' widened boxes)
     reusing = sum(r.role == REUSE for r in rows)
     context.conv_computed += len(reuse) * ((box[1] - box[0]) * (box[3] - box[2]) if box else 0) \
         + (reusing - len(reuse)) * tokens

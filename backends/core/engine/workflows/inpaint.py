@@ -121,7 +121,7 @@ class Inpaint(Txt2Img):
             if reuse:
                 levels = len(m.unet_config.block_out_channels)
                 state.computed = computed_tokens(mask, levels)
-                state.boxes = masked_boxes(mask, levels)
+                state.boxes = masked_boxes(torch.from_numpy(edit.mask), levels)  # host ints from the host mask
                 state.token_share = token_share(state.computed)
         return state
 
