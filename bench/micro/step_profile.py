@@ -9,7 +9,15 @@ the step is timed as the runtime replays it (CUDA events, median), and its kerne
 unreplayed (the same modules, or the same compiled functions, called directly) so that each kernel
 shows under its own name. Each category's share is printed beside the FLOP floor of the step.
 
+`+reuseR` (graphs or compiled) profiles a template edit's reusing step instead: every row reuses a
+recording (random values: only shapes and counts matter here) and computes the tokens of a centered
+mask of ratio R (runtime/token_subsets.py), as the runtime replays it (the static token subsets'
+CUDA graphs, their buffers filled before each replay) and unreplayed (the eager blocks on the
+step's token layout). Beside the whole step of `compiled` and of `graphs` it says what a reusing
+step costs and where its time goes.
+
     python3 -m bench.micro.step_profile --work /tmp/easel-micro --out $OUT/step_profile.json --kinds graphs+fused,compiled
+    python3 -m bench.micro.step_profile --kinds compiled,graphs,compiled+reuse0.05,compiled+reuse0.2
 """
 
 from __future__ import annotations
@@ -122,13 +130,36 @@ def plot(report_path: Path) -> Path:
     return png
 
 
+def reusing_layout(unet, latent: int, rows: int, ratio: float):
+    """A step's token layout where each of `rows` rows reuses a recording of random values at a
+    centered mask of `ratio` (the latents `latent` square): every transformer block's output for
+    step 0."""
+    import torch
+
+    from backends.core.runtime.token_subsets import REUSE, TemplateActivations, TokenLayout, TokenRow, computed_tokens
+    from export.profile_template import centered_mask, ordered_blocks
+
+    param = next(unet.parameters())
+    record = TemplateActivations(rows, complete=True)
+    for block, level in ordered_blocks(unet):
+        side = latent >> level
+        out = torch.randn(side * side, block.norm1.normalized_shape[0], device=param.device, dtype=param.dtype)
+        for r in range(rows):
+            record.put(0, block._subset_index, r, out)
+    mask = torch.from_numpy(centered_mask(latent, ratio) / 255.0).to(param.device)[None, None]
+    computed = computed_tokens(mask, len(unet.config.block_out_channels))
+    share = sum(int(i.numel()) for i in computed.values()) / sum(computed)
+    return TokenLayout(tuple(TokenRow(REUSE, record, 0, r, computed) for r in range(rows))), share
+
+
 def main() -> None:
     p = bench_parser(__doc__, size=1024, steps=0)
     p.add_argument("--rows", type=int, default=2)
     p.add_argument("--kinds", default="graphs+fused,compiled",
                    help="eager, graphs or compiled, each optionally +cl (channels_last), +fused, +cudnn (attention), "
                         "+unpacked (no packed attention projections), +lt (cuBLASLt), +bench (cudnn.benchmark: "
-                        "convolution algorithms timed, not guessed), +fp8 (RuntimeConfig.fp8: every part), and for "
+                        "convolution algorithms timed, not guessed), +fp8 (RuntimeConfig.fp8: every part), +reuseR "
+                        "(a template edit's reusing step at mask ratio R, graphs and compiled), and for "
                         "compiled inductor's "
                         + ", ".join(f"+{k} ({v})" for k, v in INDUCTOR_OPTIONS.items()))
     p.add_argument("--iters", type=int, default=10)
@@ -154,6 +185,7 @@ def main() -> None:
               "variants": {}}
     for name in args.kinds.split(","):
         kind, *options = name.split("+")
+        reuse = next((float(o[len("reuse"):]) for o in options if o.startswith("reuse")), None)
         # +cudnn: SDPA may not pick flash or memory-efficient attention, so cuDNN's (Hopper) serves it.
         torch.backends.cuda.enable_flash_sdp("cudnn" not in options)
         torch.backends.cuda.enable_mem_efficient_sdp("cudnn" not in options)
@@ -178,7 +210,7 @@ def main() -> None:
         if kind == "eager":
             runtime, enc_fn, dec_fn = eager, eager.encoder, eager.decoder
             if set(options) - {"cudnn"}:
-                raise SystemExit(f"{name}: +cl and +fused apply to graphs and compiled only")
+                raise SystemExit(f"{name}: +cl, +fused and +reuse apply to graphs and compiled only")
         else:
             runtime = FastUNetRuntime(eager, RuntimeConfig(kind=kind, row_buckets=(args.rows,),
                                                            channels_last="cl" in options,
@@ -195,10 +227,15 @@ def main() -> None:
         # One request's steps: its text (and so its packed K/V projections) is the same at each.
         batch.text_key = ("one request",)
         with torch.inference_mode():
+            if reuse is not None:
+                eager.subset_context()  # (the blocks' indices, which the recording is keyed by)
+                batch.tokens, entry["token_share"] = reusing_layout(eager.weights_module, latent, args.rows, reuse)
             step = gpu_ms(lambda: runtime.decode(batch, runtime.encode(batch), None), args.iters)
             text = runtime.text_input(batch) if kind != "eager" else batch.text
 
             def unreplayed():
+                if reuse is not None:  # the eager blocks on the step's layout
+                    return eager.decode(batch, eager.encode(batch), None)
                 emb, mid, skips = enc_fn(batch.sample, batch.timestep, text, batch.pooled, batch.time_ids)
                 return dec_fn(emb, mid, skips, text, None, None)
 

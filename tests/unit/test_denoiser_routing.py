@@ -150,3 +150,33 @@ def test_a_template_edit_goes_where_its_recording_is_unless_that_denoiser_is_bus
     blind = LeastLoaded(["a", "b"], {"a": measured(15.0), "b": measured(10.0)}.get, measure="work")
     blind.holders[("door", 64)] = {"a"}
     assert blind.pick(edit).name == "b"
+
+
+def test_an_idle_denoiser_that_last_ran_small_steps_takes_a_short_request():
+    """Each denoiser priced by its own steps (CPU-like times). The idle one ran 64 px steps, then
+    a run of 32 px ones, mostly fixed cost; the busy one runs a 50-step 256 px request. Priced by
+    its last steps' rate alone the idle one asked ~100x too much per row-step and the short
+    request went to the busy one; with each step's fixed part measured it goes to the idle one. On
+    the busy one a short request's steps run within the long one's: priced by their row-steps."""
+    from backends.core.engine.step_cost import StepCostModel
+
+    def learned(steps):
+        model = StepCostModel()
+        for units, wall in steps:
+            model.observe(units, units, wall)
+        return model
+
+    small = [(1 / 1024, 0.2)] * 21  # 32 px, one row
+    idle = learned([(1 / 256, 0.2), (1 / 128, 0.21)] * 5 + small)  # 64 px without and with guidance, then 32 px
+    busy = learned([(1 / 8, 0.07)] * 5)  # 256 px guided, one size: a rate alone
+    assert idle.step_s == pytest.approx(0.2, abs=0.01) and busy.step_s == 0.0
+    work, steps = 45 / 8, 45  # what the busy one has left
+    board = {"idle": Load(0.0, idle.seconds(0.0, 0.0), idle.row_step_s, 1.0, idle.step_s, 0),
+             "busy": Load(work, busy.seconds(work, work, steps), busy.row_step_s, 1.0, busy.step_s, steps)}
+    short = RequestCost(2 / 128, steps=2)  # 64 px guided, 2 steps
+    rate_alone = learned(small)  # what its last steps alone say
+    assert rate_alone.seconds(short.work, short.work) > board["busy"].seconds  # (the busy one won)
+    mode, loads, own = LeastLoaded(["idle", "busy"], board.get).loads(short)
+    assert mode == "seconds" and loads["idle"] < loads["busy"]
+    assert own["busy"] == pytest.approx(busy.row_step_s * short.work)  # no fixed part: within the long one's steps
+    assert own["idle"] == pytest.approx(2 * idle.step_s + idle.row_step_s * short.work)

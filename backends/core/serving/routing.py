@@ -48,6 +48,7 @@ class RequestCost:
     work: float
     token_work: float | None = None  # None: equal to work
     template: tuple | None = None  # a template edit's recording key (as the pipeline sees it)
+    steps: int = 0  # the steps it runs (their fixed cost is priced past those a denoiser runs anyway)
 
     @property
     def tokens(self) -> float:
@@ -86,7 +87,8 @@ class LeastLoaded:
         own seconds on each (0 when measured in work))."""
         boards = {name: self.board(name) if self.board is not None else None for name in self.names}
         holders = self.holders.get(cost.template, ()) if cost.template is not None else self.names
-        own = {name: b.price(cost.work, cost.tokens if name in holders else cost.work) if b is not None else None
+        own = {name: b.price(cost.work, cost.tokens if name in holders else cost.work, cost.steps)
+               if b is not None else None
                for name, b in boards.items()}
         if self.measure == "seconds" and all(b is not None and b.seconds is not None and own[name] is not None
                                              for name, b in boards.items()):
