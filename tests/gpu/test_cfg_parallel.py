@@ -4,7 +4,7 @@ compiled runtime on its own GPU, against the one-GPU runtime.
 Tolerances as in test_fast_runtime.py, relative to the largest magnitude: fp32 1e-5 a step with
 TF32 off, fp16 2e-3 (each GPU runs a sub-batch of the rows, whose kernels may be picked for
 another row count), compiled 1e-2; whole requests 1e-4 in fp32. Needs two GPUs: run with
-`tests/gpu/run.sh` on nvidia-h200-x2; skipped elsewhere.
+`tests/gpu/run.sh` on a host with two GPUs; skipped elsewhere.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ and one without guidance, against diffusers' CPU images of the same seeds.
 
 Tolerance: PSNR >= 35 dB (CPU fp32 against GPU fp32, whose convolutions may run in TF32 and whose
 kernels differ from the CPU's; the CPU server tests hold the split to 1/255). Needs two GPUs:
-`tests/gpu/run.sh` on nvidia-h200-x2; skipped elsewhere."""
+`tests/gpu/run.sh` on a host with two GPUs; skipped elsewhere."""
 
 from __future__ import annotations
 
