@@ -103,9 +103,9 @@ def request_cost(params: GenerateParams, edit: list) -> RequestCost:
     """What a request weighs for routing. A template edit may reuse a recording and compute its
     masked tokens only: priced by its mask's share (the latent-size mask the VAE encoder gave),
     which the denoiser's board corrects once it knows whether the edit reuses."""
-    work, steps = params.work(), params.denoising_steps
+    work = params.work()
     if params.template is None or not edit:
-        return RequestCost(work, steps=steps)
+        return RequestCost(work)
     names = [t.name for t in contract.EDIT]
     mask = edit[names.index("mask")].as_numpy()
     # The recording's key as far as routing needs it (the denoiser's template_key is the exact one)
@@ -113,7 +113,7 @@ def request_cost(params: GenerateParams, edit: list) -> RequestCost:
     key = (params.template, hashlib.sha256(image.tobytes()).hexdigest(), params.width, params.height, params.steps,
            params.scheduler, params.strength, params.seed, params.cfg,
            tuple((lora.name, lora.scale) for lora in params.loras), tuple(c.name for c in params.controls))
-    return RequestCost(work, work * float(mask.mean()), key, steps)
+    return RequestCost(work, work * float(mask.mean()), key)
 
 
 class BlsPipeline:

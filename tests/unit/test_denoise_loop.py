@@ -264,10 +264,7 @@ def test_the_loop_publishes_the_work_it_holds(engines):
     assert steps_done == sorted(steps_done)  # never more work than before: it only goes down
     assert len(set(work)) > 4  # every step told
     measured = [p for p in published if p.seconds is not None]
-    # No edits (dense); the steps still to run are the longer job's
-    assert measured and all(p.seconds == pytest.approx(p.step_s * p.steps + p.work * p.row_step_s) for p in measured)
-    assert [p.steps for p in published][:2] == [jobs[0].params.denoising_steps, max(j.params.denoising_steps for j in jobs)]
-    assert published[-1].steps == 0
+    assert measured and all(p.seconds == pytest.approx(p.work * p.row_step_s) for p in measured)  # no edits: dense
     assert loop.stats.cost.row_step_s > 0
 
 

@@ -4,12 +4,13 @@ predicted seconds (mask-aware) where every denoiser has measured its steps, else
 from __future__ import annotations
 
 import threading
+import time
 
 import pytest
 
 from backends.core.request.params import Limits, validate
 from backends.core.serving.load_board import Load
-from backends.core.serving.routing import LeastLoaded, Pick, RequestCost
+from backends.core.serving.routing import STALE_S, LeastLoaded, Pick, RequestCost
 
 
 def test_work_counts_steps_rows_and_pixels():
@@ -92,10 +93,12 @@ def test_a_published_load_counts_with_what_this_router_has_not_seen_admitted():
     assert router.pending["c"] == 0.0 and router.outstanding["c"] == 25.0
 
 
-def measured(work, token_work=None, rate=0.02, dense=0.3):
-    """A denoiser's board once it has measured steps: its held work priced as the denoiser does."""
+def measured(work, token_work=None, rate=0.02, dense=0.3, age_s=0.0):
+    """A denoiser's board once it has measured steps (the last `age_s` ago): its held work priced
+    as the denoiser does."""
     load = Load(work, None, rate, dense)
-    return Load(work, load.price(work, work if token_work is None else token_work), rate, dense)
+    return Load(work, load.price(work, work if token_work is None else token_work), rate, dense,
+                time.monotonic() - age_s)
 
 
 def test_seconds_see_what_masks_save_and_work_does_not():
@@ -120,6 +123,19 @@ def test_a_request_goes_where_it_would_finish_first():
     assert chosen.name == "fast" and router.pending_s["fast"] == pytest.approx(own["fast"])
     router.admitted(chosen)
     assert router.pending_s["fast"] == 0.0 and router.pending["fast"] == 0.0
+
+
+def test_an_idle_denoiser_whose_costs_are_old_is_compared_by_work():
+    """The idle denoiser last stepped long ago, on other requests, and learned a rate that prices
+    a short request above what the busy one has left (as CI saw: a 64 px request went to the busy
+    denoiser). Its costs are too old to price with: compared by work, the idle one takes it."""
+    board = {"idle": measured(0.0, rate=200.0, age_s=STALE_S + 5), "busy": measured(4.5, rate=0.34)}
+    short = RequestCost(2 / 128)
+    assert board["idle"].price(short.work, short.work) > board["busy"].seconds
+    mode, loads, _ = LeastLoaded(["idle", "busy"], board.get).loads(short)
+    assert mode == "work" and loads == {"idle": 0.0, "busy": 4.5}
+    board["idle"] = measured(0.0, rate=200.0, age_s=1.0)  # ... while measured lately, its rate counts
+    assert LeastLoaded(["idle", "busy"], board.get).loads(short)[0] == "seconds"
 
 
 def test_seconds_wait_for_every_denoiser_to_have_measured():
@@ -150,33 +166,3 @@ def test_a_template_edit_goes_where_its_recording_is_unless_that_denoiser_is_bus
     blind = LeastLoaded(["a", "b"], {"a": measured(15.0), "b": measured(10.0)}.get, measure="work")
     blind.holders[("door", 64)] = {"a"}
     assert blind.pick(edit).name == "b"
-
-
-def test_an_idle_denoiser_that_last_ran_small_steps_takes_a_short_request():
-    """Each denoiser priced by its own steps (CPU-like times). The idle one ran 64 px steps, then
-    a run of 32 px ones, mostly fixed cost; the busy one runs a 50-step 256 px request. Priced by
-    its last steps' rate alone the idle one asked ~100x too much per row-step and the short
-    request went to the busy one; with each step's fixed part measured it goes to the idle one. On
-    the busy one a short request's steps run within the long one's: priced by their row-steps."""
-    from backends.core.engine.step_cost import StepCostModel
-
-    def learned(steps):
-        model = StepCostModel()
-        for units, wall in steps:
-            model.observe(units, units, wall)
-        return model
-
-    small = [(1 / 1024, 0.2)] * 21  # 32 px, one row
-    idle = learned([(1 / 256, 0.2), (1 / 128, 0.21)] * 5 + small)  # 64 px without and with guidance, then 32 px
-    busy = learned([(1 / 8, 0.07)] * 5)  # 256 px guided, one size: a rate alone
-    assert idle.step_s == pytest.approx(0.2, abs=0.01) and busy.step_s == 0.0
-    work, steps = 45 / 8, 45  # what the busy one has left
-    board = {"idle": Load(0.0, idle.seconds(0.0, 0.0), idle.row_step_s, 1.0, idle.step_s, 0),
-             "busy": Load(work, busy.seconds(work, work, steps), busy.row_step_s, 1.0, busy.step_s, steps)}
-    short = RequestCost(2 / 128, steps=2)  # 64 px guided, 2 steps
-    rate_alone = learned(small)  # what its last steps alone say
-    assert rate_alone.seconds(short.work, short.work) > board["busy"].seconds  # (the busy one won)
-    mode, loads, own = LeastLoaded(["idle", "busy"], board.get).loads(short)
-    assert mode == "seconds" and loads["idle"] < loads["busy"]
-    assert own["busy"] == pytest.approx(busy.row_step_s * short.work)  # no fixed part: within the long one's steps
-    assert own["idle"] == pytest.approx(2 * idle.step_s + idle.row_step_s * short.work)

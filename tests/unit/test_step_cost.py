@@ -3,6 +3,8 @@ them a reusing edit's mask does not shrink, from its own steps (fake step times 
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from backends.core.engine.step_cost import StepCostModel
@@ -51,35 +53,9 @@ def test_a_step_that_waited_on_something_else_moves_nothing():
     assert model.row_step_s == pytest.approx(rate)
 
 
-def test_a_step_has_a_fixed_part_and_a_part_that_grows_with_its_row_steps():
-    """Steps of several sizes: the line through them. A 64 px step on a CPU is mostly fixed cost;
-    priced by a rate alone, a denoiser that last ran such steps priced a 1024 px row-step 100x
-    too high."""
-    step_s, rate = 0.15, 0.4
+def test_a_step_stamps_when_the_costs_were_measured():
     model = StepCostModel()
-    for units in (1 / 1024, 1 / 256, 1 / 128, 1 / 16) * 6:  # 32 and 64 px, one and two rows, 256 px
-        model.observe(units, units, step_s + rate * units)
-    assert model.step_s == pytest.approx(step_s) and model.row_step_s == pytest.approx(rate)
-    assert model.seconds(2 / 128, 2 / 128, steps=2) == pytest.approx(2 * step_s + rate * 2 / 128)
-    model.observe(1 / 256, 1 / 256, 60.0)  # one step that waited moves neither
-    assert model.step_s == pytest.approx(step_s) and model.row_step_s == pytest.approx(rate)
-
-
-def test_steps_of_one_size_are_priced_by_their_rate():
-    """Nothing tells a fixed part from a rate while every step is of one size: all of it grows
-    with the row-steps (the model as it was), also within 10% of one size."""
-    model = StepCostModel()
-    for units in (2.0, 2.1) * 10:
-        model.observe(units, units, 0.02 * units)
-    assert model.step_s == 0.0 and model.row_step_s == pytest.approx(0.02)
-
-
-def test_the_dense_share_is_measured_past_the_fixed_part():
-    step_s, rate, dense = 0.01, 0.02, 0.4
-    model = StepCostModel()
-    for units in (1.0, 2.0, 4.0) * 10:
-        model.observe(units, units, step_s + rate * units)
-    for share in (0.1, 0.2, 0.5) * 10:
-        units, token_units = 4.0, 2.0 + 2.0 * share
-        model.observe(units, token_units, step_s + rate * (dense * units + (1 - dense) * token_units))
-    assert model.dense == pytest.approx(dense, abs=1e-6)
+    assert model.measured_at is None
+    before = time.monotonic()
+    model.observe(1.0, 1.0, 0.02)
+    assert before <= model.measured_at <= time.monotonic()

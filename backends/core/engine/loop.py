@@ -16,7 +16,6 @@ import logging
 import queue
 import threading
 import time
-from collections import Counter
 from dataclasses import dataclass
 from typing import Callable
 
@@ -24,7 +23,7 @@ import numpy as np
 
 from backends.core.engine.denoiser import TorchDenoiser
 from backends.core.engine.requests import DenoiseJob, RequestState, StepProgress
-from backends.core.request.params import GenerateParams, InvalidInput, UnknownAdapter
+from backends.core.request.params import InvalidInput, UnknownAdapter
 from backends.core.engine.step_batcher import BatcherConfig, SeqState, Status, StepOutput, StepBatcher
 from backends.core.engine.step_stats import LoopStats
 from backends.core.serving.load_board import Load
@@ -71,12 +70,9 @@ class DenoiseLoop:
         self.on_done = on_done
         # The work still to do (GenerateParams.work of the steps left) of the requests submitted and
         # not yet taken, and of those taken (also weighted by their share of block tokens computed),
-        # published with its predicted seconds for the routers (backends/core/serving/load_board.py),
-        # and the steps they still run (each count of steps in the inbox, and the held's most).
+        # published with its predicted seconds for the routers (backends/core/serving/load_board.py).
         self.publish_load = publish_load
         self._inbox_work = 0.0
-        self._inbox_steps: Counter[int] = Counter()
-        self._held_steps = 0
         self._held_work = 0.0
         self._held_token_work = 0.0
         self._work_lock = threading.Lock()
@@ -92,7 +88,7 @@ class DenoiseLoop:
 
     def submit(self, job: DenoiseJob) -> None:
         self.stats.submitted += 1
-        self._add_inbox_work(job.params)
+        self._add_inbox_work(job.params.work())
         workflow = self.engine.workflows.get(job.workflow)  # (an unknown one is refused at admission)
         try:
             if workflow is not None:
@@ -155,37 +151,31 @@ class DenoiseLoop:
             self._abort(rid, Status.FAILED, "the denoiser is shutting down")
         self._count()
 
-    def _count(self, taken: GenerateParams | None = None) -> None:
-        """`taken`: the parameters of a job just taken from the inbox (admitted, or failed at admission)."""
+    def _count(self, taken: float = 0.0) -> None:
+        """`taken`: the work of a job just taken from the inbox (admitted, or failed at admission)."""
         self.stats.waiting = len(self.batcher.waiting)
         self.stats.running = len(self.batcher.running)
         if self.publish_load is not None:
-            left = [(s.job.params, len(s.timesteps) - s.index, s.token_share) for s in self.states.values()]
+            held = [(s.job.params.work(len(s.timesteps) - s.index), s.token_share) for s in self.states.values()]
             with self._work_lock:  # one value: the job leaves the inbox's count as it joins the held
-                if taken is not None:
-                    # (sums of floats need not return to 0)
-                    self._inbox_work = max(0.0, self._inbox_work - taken.work())
-                    self._inbox_steps -= Counter({taken.denoising_steps: 1})
-                self._held_work = sum(p.work(steps) for p, steps, _ in left)
-                self._held_token_work = sum(p.work(steps) * share for p, steps, share in left)
-                self._held_steps = max((steps for _, steps, _ in left), default=0)
+                self._inbox_work = max(0.0, self._inbox_work - taken)  # sums of floats need not return to 0
+                self._held_work = sum(work for work, _ in held)
+                self._held_token_work = sum(work * share for work, share in held)
                 self._publish()
 
-    def _add_inbox_work(self, params: GenerateParams) -> None:
+    def _add_inbox_work(self, work: float) -> None:
         if self.publish_load is not None:
             with self._work_lock:
-                self._inbox_work += params.work()
-                self._inbox_steps[params.denoising_steps] += 1
+                self._inbox_work += work
                 self._publish()
 
     def _publish(self) -> None:
         # A job not yet taken is priced whole: whether it reuses a recording is known at admission.
         work = self._inbox_work + self._held_work
-        steps = max(self._held_steps, max(self._inbox_steps, default=0))
         cost = self.stats.cost
         try:
-            self.publish_load(Load(work, cost.seconds(work, self._inbox_work + self._held_token_work, steps),
-                                   cost.row_step_s, cost.dense, cost.step_s, steps))
+            self.publish_load(Load(work, cost.seconds(work, self._inbox_work + self._held_token_work), cost.row_step_s,
+                                   cost.dense, cost.measured_at))
         except Exception:  # routing information: never worth a request
             log.exception("publishing the denoiser's load failed")
 
@@ -215,7 +205,7 @@ class DenoiseLoop:
             if job is not _WAKE:
                 self._admit(job)
                 self.stats.taken += 1
-                self._count(taken=job.params)
+                self._count(taken=job.params.work())
 
     def _admit(self, job: DenoiseJob) -> None:
         try:

@@ -6,9 +6,8 @@ What they sent themselves is only part of a denoiser's load: `easel` and `easel_
 separate processes, and a request they sent long ago may be almost done. The denoiser knows the
 rest: it writes its queued and running requests' remaining work (steps left x rows x pixels) here
 after every step and every arrival, and the routers read it at each pick: a `Load`, the work in
-row-steps and, once the denoiser has measured steps, in predicted seconds with the costs that
-price a new request on it (engine/step_cost.py) and the steps its held work still runs (a new
-request's steps within those share their fixed cost with it: they run in the same batch).
+row-steps and, once the denoiser has measured steps, in predicted seconds with the rates that
+price a new request on it (engine/step_cost.py) and when it last measured one.
 
 A file is named by the tritonserver process (the parent of every model's stub process, so one
 server's models find each other and two servers on one host do not) and by the denoiser. It holds
@@ -29,7 +28,7 @@ from backends.core.engine.step_cost import StepCostModel
 from backends.core.serving.shm_files import SHM_DIR, remove_orphans, server_file, unlink
 
 PREFIX = "easel-load-"
-_FIELDS = 6
+_FIELDS = 5
 _VALUE = struct.Struct(f"<{2 * _FIELDS}d")
 
 
@@ -41,27 +40,26 @@ class Load:
     seconds: float | None = None  # predicted; None until the denoiser has measured a step
     row_step_s: float | None = None  # its measured seconds of one row-step
     dense: float = 1.0  # the share of a row-step that a reusing edit's mask does not shrink
-    step_s: float = 0.0  # its measured seconds of a step whatever its size
-    steps: int = 0  # the steps its held work still runs (its longest request's)
+    # time.monotonic() of its last measured step: CLOCK_MONOTONIC, one clock for every process of
+    # the host, so the routers (other processes) can tell how old its costs are
+    measured_at: float | None = None
 
-    def price(self, work: float, token_work: float, steps: int = 0) -> float | None:
-        """Predicted seconds that a new request of `steps` steps and `work` row-steps
-        (`token_work`: the same weighted by its share of block tokens computed) adds on this
-        denoiser: its row-steps, and the fixed cost of its steps past those the denoiser runs
-        anyway; None before it measured a step."""
-        extra = max(0, steps - self.steps)
-        return StepCostModel(self.row_step_s, self.dense, self.step_s).seconds(work, token_work, extra)
+    def price(self, work: float, token_work: float) -> float | None:
+        """Predicted seconds of a new request of `work` row-steps (`token_work`: the same weighted
+        by its share of block tokens computed) on this denoiser; None before it measured a step."""
+        return StepCostModel(self.row_step_s, self.dense).seconds(work, token_work)
 
     def _values(self) -> tuple[float, ...]:
         nan = math.nan
         return (self.work, nan if self.seconds is None else self.seconds,
-                nan if self.row_step_s is None else self.row_step_s, self.dense, self.step_s, float(self.steps))
+                nan if self.row_step_s is None else self.row_step_s, self.dense,
+                nan if self.measured_at is None else self.measured_at)
 
     @classmethod
     def _from(cls, values: tuple[float, ...]) -> "Load":
-        work, seconds, rate, dense, step_s, steps = values
-        return cls(work, None if math.isnan(seconds) else seconds, None if math.isnan(rate) else rate, dense, step_s,
-                   int(steps))
+        work, seconds, rate, dense, at = values
+        return cls(work, None if math.isnan(seconds) else seconds, None if math.isnan(rate) else rate, dense,
+                   None if math.isnan(at) else at)
 
 
 def board_path(denoiser: str, folder: str = SHM_DIR, server_pid: int | None = None) -> str:

@@ -16,8 +16,11 @@ the board does not show it). Two measures:
   seconds plus the load are least: where it would finish first. A template edit is priced by its
   mask only on a denoiser this router has seen serve that template (it holds the recording; on
   another it would record, whole), so edits of a template stay where its recording is unless that
-  denoiser is busier by more than the recording saves. Until every denoiser has measured a step,
-  this router compares work instead.
+  denoiser is busier by more than the recording saves. Until every denoiser has measured a step
+  within the last STALE_S seconds, this router compares work instead: costs a denoiser learned
+  before it went idle came from other requests (other sizes, ControlNets, LoRAs, another machine
+  load), and priced an idle denoiser above a busy one for a short request; by work an idle one has
+  none, takes the request and measures afresh.
 - `work`: row-steps of 1024x1024 pixels (GenerateParams.work), blind to masks and speeds.
 
 A denoiser with nothing on the board (not started, or a board that cannot be read) is counted by
@@ -29,6 +32,7 @@ tested on its own.
 from __future__ import annotations
 
 import threading
+import time
 from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
@@ -36,6 +40,8 @@ from typing import Callable, Sequence
 from backends.core.serving.load_board import Load
 
 MEASURES = ("seconds", "work")
+# How old a denoiser's last measured step may be for its costs to price requests
+STALE_S = 30.0
 # Templates whose denoisers this router remembers (least recently routed forgotten first)
 MAX_TEMPLATES = 4096
 
@@ -48,7 +54,6 @@ class RequestCost:
     work: float
     token_work: float | None = None  # None: equal to work
     template: tuple | None = None  # a template edit's recording key (as the pipeline sees it)
-    steps: int = 0  # the steps it runs (their fixed cost is priced past those a denoiser runs anyway)
 
     @property
     def tokens(self) -> float:
@@ -87,10 +92,11 @@ class LeastLoaded:
         own seconds on each (0 when measured in work))."""
         boards = {name: self.board(name) if self.board is not None else None for name in self.names}
         holders = self.holders.get(cost.template, ()) if cost.template is not None else self.names
-        own = {name: b.price(cost.work, cost.tokens if name in holders else cost.work, cost.steps)
-               if b is not None else None
+        own = {name: b.price(cost.work, cost.tokens if name in holders else cost.work) if b is not None else None
                for name, b in boards.items()}
+        now = time.monotonic()
         if self.measure == "seconds" and all(b is not None and b.seconds is not None and own[name] is not None
+                                             and b.measured_at is not None and now - b.measured_at <= STALE_S
                                              for name, b in boards.items()):
             return "seconds", {n: boards[n].seconds + self.pending_s[n] + own[n] for n in self.names}, own
         loads = {n: (self.outstanding[n] if b is None else b.work + self.pending[n]) for n, b in boards.items()}
