@@ -3,12 +3,14 @@ predicted seconds (mask-aware) where every denoiser has measured its steps, else
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
 import pytest
 
 from backends.core.request.params import Limits, validate
+from backends.core.engine.step_cost import WINDOW
 from backends.core.serving.load_board import Load
 from backends.core.serving.routing import STALE_S, LeastLoaded, Pick, RequestCost
 
@@ -98,7 +100,7 @@ def measured(work, token_work=None, rate=0.02, dense=0.3, age_s=0.0):
     as the denoiser does."""
     load = Load(work, None, rate, dense)
     return Load(work, load.price(work, work if token_work is None else token_work), rate, dense,
-                time.monotonic() - age_s)
+                time.monotonic() - age_s, WINDOW)
 
 
 def test_seconds_see_what_masks_save_and_work_does_not():
@@ -134,7 +136,9 @@ def test_an_idle_denoiser_whose_costs_are_old_is_compared_by_work():
     assert board["idle"].price(short.work, short.work) > board["busy"].seconds
     mode, loads, _ = LeastLoaded(["idle", "busy"], board.get).loads(short)
     assert mode == "work" and loads == {"idle": 0.0, "busy": 4.5}
-    board["idle"] = measured(0.0, rate=200.0, age_s=1.0)  # ... while measured lately, its rate counts
+    board["idle"] = dataclasses.replace(board["idle"], measured_at=time.monotonic(), measured_steps=2)
+    assert LeastLoaded(["idle", "busy"], board.get).loads(short)[0] == "work"  # two first steps: not yet
+    board["idle"] = measured(0.0, rate=200.0, age_s=1.0)  # a full window, measured lately: its rate counts
     assert LeastLoaded(["idle", "busy"], board.get).loads(short)[0] == "seconds"
 
 

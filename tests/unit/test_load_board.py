@@ -20,7 +20,7 @@ def test_a_router_reads_what_the_denoiser_published(tmp_path):
     assert reader("denoiser_gpu0") == Load(0.0)  # nothing measured: no seconds, no rate
     writer.publish(Load(12.5))
     assert reader("denoiser_gpu0") == Load(12.5)
-    measured = Load(12.5, seconds=0.2, row_step_s=0.016, dense=0.4, measured_at=12345.5)
+    measured = Load(12.5, seconds=0.2, row_step_s=0.016, dense=0.4, measured_at=12345.5, measured_steps=21)
     writer.publish(measured)
     assert reader("denoiser_gpu0") == measured
     assert reader("denoiser_gpu1") is None

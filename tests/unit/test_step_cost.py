@@ -58,4 +58,4 @@ def test_a_step_stamps_when_the_costs_were_measured():
     assert model.measured_at is None
     before = time.monotonic()
     model.observe(1.0, 1.0, 0.02)
-    assert before <= model.measured_at <= time.monotonic()
+    assert before <= model.measured_at <= time.monotonic() and model.measured_steps == 1

@@ -175,7 +175,7 @@ class DenoiseLoop:
         cost = self.stats.cost
         try:
             self.publish_load(Load(work, cost.seconds(work, self._inbox_work + self._held_token_work), cost.row_step_s,
-                                   cost.dense, cost.measured_at))
+                                   cost.dense, cost.measured_at, cost.measured_steps))
         except Exception:  # routing information: never worth a request
             log.exception("publishing the denoiser's load failed")
 

@@ -57,6 +57,12 @@ class StepCostModel:
         self._denses.append(min(1.0, max(0.0, dense)))
         self.dense = statistics.median(self._denses)
 
+    @property
+    def measured_steps(self) -> int:
+        """Steps behind the rate (up to WINDOW): a router trusts a full window, not a first step's
+        one-time costs."""
+        return len(self._rates)
+
     def seconds(self, units: float, token_units: float) -> float | None:
         """Predicted seconds of `units` row-steps (`token_units` of them weighted by token share);
         None before any step was measured."""

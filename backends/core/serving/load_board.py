@@ -28,7 +28,7 @@ from backends.core.engine.step_cost import StepCostModel
 from backends.core.serving.shm_files import SHM_DIR, remove_orphans, server_file, unlink
 
 PREFIX = "easel-load-"
-_FIELDS = 5
+_FIELDS = 6
 _VALUE = struct.Struct(f"<{2 * _FIELDS}d")
 
 
@@ -43,6 +43,7 @@ class Load:
     # time.monotonic() of its last measured step: CLOCK_MONOTONIC, one clock for every process of
     # the host, so the routers (other processes) can tell how old its costs are
     measured_at: float | None = None
+    measured_steps: int = 0  # the steps its rate is the median of
 
     def price(self, work: float, token_work: float) -> float | None:
         """Predicted seconds of a new request of `work` row-steps (`token_work`: the same weighted
@@ -53,13 +54,13 @@ class Load:
         nan = math.nan
         return (self.work, nan if self.seconds is None else self.seconds,
                 nan if self.row_step_s is None else self.row_step_s, self.dense,
-                nan if self.measured_at is None else self.measured_at)
+                nan if self.measured_at is None else self.measured_at, float(self.measured_steps))
 
     @classmethod
     def _from(cls, values: tuple[float, ...]) -> "Load":
-        work, seconds, rate, dense, at = values
+        work, seconds, rate, dense, at, steps = values
         return cls(work, None if math.isnan(seconds) else seconds, None if math.isnan(rate) else rate, dense,
-                   None if math.isnan(at) else at)
+                   None if math.isnan(at) else at, int(steps))
 
 
 def board_path(denoiser: str, folder: str = SHM_DIR, server_pid: int | None = None) -> str:

@@ -16,11 +16,12 @@ the board does not show it). Two measures:
   seconds plus the load are least: where it would finish first. A template edit is priced by its
   mask only on a denoiser this router has seen serve that template (it holds the recording; on
   another it would record, whole), so edits of a template stay where its recording is unless that
-  denoiser is busier by more than the recording saves. Until every denoiser has measured a step
-  within the last STALE_S seconds, this router compares work instead: costs a denoiser learned
-  before it went idle came from other requests (other sizes, ControlNets, LoRAs, another machine
-  load), and priced an idle denoiser above a busy one for a short request; by work an idle one has
-  none, takes the request and measures afresh.
+  denoiser is busier by more than the recording saves. Until every denoiser has a full window of
+  measured steps (engine/step_cost.WINDOW), the last within STALE_S seconds, this router compares
+  work instead: costs a denoiser learned before it went idle came from other requests (other sizes,
+  ControlNets, LoRAs, another machine load), and a few first steps carry one-time costs; either
+  priced an idle denoiser above a busy one for a short request. By work an idle one has none,
+  takes the request and measures afresh.
 - `work`: row-steps of 1024x1024 pixels (GenerateParams.work), blind to masks and speeds.
 
 A denoiser with nothing on the board (not started, or a board that cannot be read) is counted by
@@ -37,6 +38,7 @@ from collections import OrderedDict
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
+from backends.core.engine.step_cost import WINDOW
 from backends.core.serving.load_board import Load
 
 MEASURES = ("seconds", "work")
@@ -44,6 +46,11 @@ MEASURES = ("seconds", "work")
 STALE_S = 30.0
 # Templates whose denoisers this router remembers (least recently routed forgotten first)
 MAX_TEMPLATES = 4096
+
+
+def _trusted(board: Load, now: float) -> bool:
+    """Whether a denoiser's costs may price requests: a full window of steps, the last one recent."""
+    return board.measured_steps >= WINDOW and board.measured_at is not None and now - board.measured_at <= STALE_S
 
 
 @dataclass(frozen=True)
@@ -96,8 +103,7 @@ class LeastLoaded:
                for name, b in boards.items()}
         now = time.monotonic()
         if self.measure == "seconds" and all(b is not None and b.seconds is not None and own[name] is not None
-                                             and b.measured_at is not None and now - b.measured_at <= STALE_S
-                                             for name, b in boards.items()):
+                                             and _trusted(b, now) for name, b in boards.items()):
             return "seconds", {n: boards[n].seconds + self.pending_s[n] + own[n] for n in self.names}, own
         loads = {n: (self.outstanding[n] if b is None else b.work + self.pending[n]) for n, b in boards.items()}
         return "work", loads, dict.fromkeys(self.names, 0.0)
