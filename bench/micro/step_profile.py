@@ -136,7 +136,8 @@ def reusing_layout(unet, latent: int, rows: int, ratio: float):
     step 0."""
     import torch
 
-    from backends.core.runtime.token_subsets import REUSE, TemplateActivations, TokenLayout, TokenRow, computed_tokens
+    from backends.core.runtime.token_subsets import (REUSE, TemplateActivations, TokenLayout, TokenRow, computed_tokens,
+                                                     token_share)
     from export.profile_template import centered_mask, ordered_blocks
 
     param = next(unet.parameters())
@@ -148,8 +149,7 @@ def reusing_layout(unet, latent: int, rows: int, ratio: float):
             record.put(0, block._subset_index, r, out)
     mask = torch.from_numpy(centered_mask(latent, ratio) / 255.0).to(param.device)[None, None]
     computed = computed_tokens(mask, len(unet.config.block_out_channels))
-    share = sum(int(i.numel()) for i in computed.values()) / sum(computed)
-    return TokenLayout(tuple(TokenRow(REUSE, record, 0, r, computed) for r in range(rows))), share
+    return TokenLayout(tuple(TokenRow(REUSE, record, 0, r, computed) for r in range(rows))), token_share(computed)
 
 
 def main() -> None:

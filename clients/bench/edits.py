@@ -353,7 +353,8 @@ def markdown(results: dict) -> str:
              "| --- | --- | --- | --- | --- | --- | --- | --- |"]
     for ratio, row in results["latency"].items():
         lines.append(f"| {row['mask_ratio']:.2f} | {_fmt(row.get('exact_p50_s'))} | {_fmt(row.get('reuse_p50_s'))} | "
-                     f"{_fmt(row.get('speedup'), 'x', 2)} | {_fmt(row.get('reuse_first_s'))} | {_fmt(row.get('psnr_median'), ' dB', 2)} "
+                     f"{_fmt(row.get('speedup'), 'x', 2)} | {_fmt(row.get('reuse_first_s'))} | "
+                     f"{_fmt(row.get('psnr_median'), ' dB', 2)} "
                      f"({_fmt(row.get('masked_psnr_median'), ' dB', 2)}) | "
                      f"{_fmt(eager.get('latency', {}).get(ratio, {}).get('p50_s'))} | "
                      f"{_fmt(compiled.get('latency', {}).get(ratio, {}).get('p50_s'))} |")

@@ -102,8 +102,8 @@ class LeastLoaded:
         own = {name: b.price(cost.work, cost.tokens if name in holders else cost.work) if b is not None else None
                for name, b in boards.items()}
         now = time.monotonic()
-        if self.measure == "seconds" and all(b is not None and b.seconds is not None and own[name] is not None
-                                             and _trusted(b, now) for name, b in boards.items()):
+        # (a trusted board has a rate: its seconds and the request's own price there are numbers)
+        if self.measure == "seconds" and all(b is not None and _trusted(b, now) for b in boards.values()):
             return "seconds", {n: boards[n].seconds + self.pending_s[n] + own[n] for n in self.names}, own
         loads = {n: (self.outstanding[n] if b is None else b.work + self.pending[n]) for n, b in boards.items()}
         return "work", loads, dict.fromkeys(self.names, 0.0)
