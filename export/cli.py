@@ -146,6 +146,9 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--conv-subsets", action="store_true",
                      help="template edits that reuse a recording also run the ResNet blocks on their mask's box "
                           "(approximate; steps that run eager only: a fast runtime's reusing graphs run them whole)")
+    exp.add_argument("--warmup-template-edits", action="store_true",
+                     help="also capture (compiled: compile) template edits' reusing steps at the warm-up sizes; "
+                          "without it, compiled's reusing steps run graphs of the eager modules")
     exp.add_argument("--vae-attention", choices=("fp32", "fp16", "bf16"), default=None,
                      help="precision of the VAE's attention product: fp32 is diffusers' exact upcast VAE "
                           "(default: bf16 on a fast runtime, fp32 on eager)")
@@ -204,7 +207,7 @@ def main(argv: list[str] | None = None) -> int:
                                 channels_last=args.channels_last, fused_kernels=args.fused_kernels,
                                 vae_attention=args.vae_attention, vae_dtype=args.vae_dtype, fp8=args.fp8,
                                 fp8_fast_accum=args.fp8_fast_accum, template_cache_gib=args.template_cache_gib,
-                                conv_subsets=args.conv_subsets)
+                                conv_subsets=args.conv_subsets, warmup_template_edits=args.warmup_template_edits)
         export_repository(args.model, args.out, options)
         return 0
     if args.command == "profile-lora":

@@ -92,6 +92,7 @@ class ExportOptions:
     fp8: tuple[str, ...] = ()
     fp8_fast_accum: bool = False  # RuntimeConfig.fp8_fast_accum
     conv_subsets: bool = False  # RuntimeConfig.conv_subsets
+    warmup_template_edits: bool = False  # RuntimeConfig.warmup_template_edits
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -141,7 +142,8 @@ class ExportOptions:
         return RuntimeConfig(kind=self.resolved_runtime, row_buckets=self.resolved_row_buckets, warmup_sizes=sizes,
                              warmup_residuals=bool(self.adapters), channels_last=self.channels_last,
                              fused_kernels=self.fused_kernels, fp8=self.fp8,
-                             fp8_fast_accum=self.fp8_fast_accum, conv_subsets=self.conv_subsets)
+                             fp8_fast_accum=self.fp8_fast_accum, conv_subsets=self.conv_subsets,
+                             warmup_template_edits=self.warmup_template_edits)
 
     @property
     def denoiser_gpus(self) -> tuple[int, ...]:

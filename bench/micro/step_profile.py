@@ -9,11 +9,12 @@ the step is timed as the runtime replays it (CUDA events, median), and its kerne
 unreplayed (the same modules, or the same compiled functions, called directly) so that each kernel
 shows under its own name. Each category's share is printed beside the FLOP floor of the step.
 
-`+reuseR` (graphs or compiled) profiles a template edit's reusing step instead: every row reuses a
+`+reuseR` (graphs or compiled) profiles a template edit's reusing step instead (timed beside the same
+runtime's exact step, `exact_step_ms`; its reusing forms warmed up with the runtime): every row reuses a
 recording (random values: only shapes and counts matter here) and computes the tokens of a centered
 mask of ratio R (runtime/token_subsets.py), as the runtime replays it (the static token subsets'
-CUDA graphs, their buffers filled before each replay) and unreplayed (the eager blocks on the
-step's token layout). Beside the whole step of `compiled` and of `graphs` it says what a reusing
+CUDA graphs, their buffers filled before each replay) and unreplayed (the functions those graphs
+captured, on the same static subsets). Beside the whole step of `compiled` and of `graphs` it says what a reusing
 step costs and where its time goes.
 
     python3 -m bench.micro.step_profile --work /tmp/easel-micro --out $OUT/step_profile.json --kinds graphs+fused,compiled
@@ -27,6 +28,7 @@ import logging
 import statistics
 import time
 from collections import defaultdict
+from contextlib import nullcontext
 from pathlib import Path
 
 from clients.bench.common import bench_parser, random_sdxl_denoiser, random_sdxl_fp8_calibration, run_key, start_logging
@@ -216,7 +218,8 @@ def main() -> None:
                                                            channels_last="cl" in options,
                                                            fused_kernels="fused" in options,
                                                            packed_attention="unpacked" not in options,
-                                                           fp8=FP8_PARTS if "fp8" in options else ()),
+                                                           fp8=FP8_PARTS if "fp8" in options else (),
+                                                           warmup_template_edits=reuse is not None),
                                       cache_root=args.work / "cache", fp8_calibration=calibration)
             start = time.perf_counter()
             runtime.warmup(template, [(latent, latent)])
@@ -227,17 +230,23 @@ def main() -> None:
         # One request's steps: its text (and so its packed K/V projections) is the same at each.
         batch.text_key = ("one request",)
         with torch.inference_mode():
-            if reuse is not None:
+            if reuse is not None:  # beside the same runtime's exact step (same compile, same run)
+                exact = gpu_ms(lambda: runtime.decode(batch, runtime.encode(batch), None), args.iters)
+                entry.update(exact_step_ms=statistics.median(exact), exact_step_ms_all=exact)
                 eager.subset_context()  # (the blocks' indices, which the recording is keyed by)
                 batch.tokens, entry["token_share"] = reusing_layout(eager.weights_module, latent, args.rows, reuse)
             step = gpu_ms(lambda: runtime.decode(batch, runtime.encode(batch), None), args.iters)
             text = runtime.text_input(batch) if kind != "eager" else batch.text
 
+            if reuse is not None:  # what the reusing graphs captured, on their static token subsets
+                bucket = runtime._subset_bucket(batch)
+                enc_fn, dec_fn, _ = runtime._halves(bucket)
+                batch, text = bucket, bucket.text
+
             def unreplayed():
-                if reuse is not None:  # the eager blocks on the step's layout
-                    return eager.decode(batch, eager.encode(batch), None)
-                emb, mid, skips = enc_fn(batch.sample, batch.timestep, text, batch.pooled, batch.time_ids)
-                return dec_fn(emb, mid, skips, text, None, None)
+                with nullcontext() if reuse is None else runtime._layout(bucket):
+                    emb, mid, skips = enc_fn(batch.sample, batch.timestep, text, batch.pooled, batch.time_ids)
+                    return dec_fn(emb, mid, skips, text, None, None)
 
             by_cat, kernels, launches = kernel_profile(unreplayed, 3)
         total = sum(by_cat.values())
@@ -245,8 +254,9 @@ def main() -> None:
         gap_us = 1000 * (statistics.median(step) - total) / launches
         entry.update(step_ms=statistics.median(step), step_ms_all=step, kernel_ms=total, by_category_ms=by_cat,
                      kernels=launches, gap_us_per_kernel=gap_us, kernel_ms_by_name=kernels)
-        log.info("%s: step %.2f ms (replayed), %d kernels %.2f ms (%.2f us between kernels): %s", name,
-                 entry["step_ms"], launches, total, gap_us,
+        log.info("%s: step %.2f ms (replayed%s), %d kernels %.2f ms (%.2f us between kernels): %s", name,
+                 entry["step_ms"], f"; exact {entry['exact_step_ms']:.2f} ms" if "exact_step_ms" in entry else "",
+                 launches, total, gap_us,
                  ", ".join(f"{c} {ms:.2f} ({100 * ms / total:.0f}%)" for c, ms in by_cat.items()))
         for k, ms in kernels[:12]:
             log.info("    %.3f ms  %s", ms, k)

@@ -48,7 +48,7 @@ def main() -> None:
 
     import torch
 
-    from backends.core.engine.builder import build_runtime
+    from backends.core.engine.builder import build_runtime, warm_up
     from backends.core.engine.denoiser import TorchDenoiser
     from backends.core.engine.template_cache import TemplateCache
     from backends.core.engine.requests import DenoiseJob, EditInputs
@@ -70,9 +70,14 @@ def main() -> None:
     where = Placement(args.device if args.device == "cpu" else "cuda:0", dtype)
     first = "denoiser" if args.device == "cpu" else "denoiser_gpu0"
     folder = repo / first / "1"
-    config = RuntimeConfig(kind=args.runtime, conv_subsets=args.conv_subsets)
+    latent = args.size // 8
+    # Warmed as a server warms its size (compiled: its exact and reusing halves compile here, not in the timings)
+    config = RuntimeConfig(kind=args.runtime, conv_subsets=args.conv_subsets,
+                           warmup_sizes=((latent, latent),) if args.runtime != "eager" else (),
+                           warmup_template_edits=True)
     engine = TorchDenoiser(folder, where, runtime=build_runtime(folder, where, config),
                            templates=TemplateCache(where.device, args.cache_gib << 30))
+    warm_up(engine, config)
     encoder = PromptEncoder(repo / "text_encoder" / "1", where)
     decoder = LatentDecoder(repo / "vae_decoder" / "1", where)
     vae = EditEncoder(repo / "vae_decoder" / "1", where)

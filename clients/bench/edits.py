@@ -295,7 +295,7 @@ def serving(setup, model: Path, routing: str, denoisers: int, cache_gib: tuple[f
                             max_steps=max(150, setup.steps, setup.throughput_steps),
                             max_in_flight=max(56, top + 48), max_running=max(16, top),
                             max_batch_rows=max(16, 2 * top),
-                            template_cache_gib=cache_gib, **place)
+                            template_cache_gib=cache_gib, warmup_template_edits=True, **place)
     repo = setup.work / f"repo-edits-{routing}"
     export_repository(model, repo, options)
     if setup.shared_compile_cache:

@@ -190,12 +190,12 @@ def test_bucket_miss_runs_eager_or_captures(repo):
     assert fast.stats.graph_steps == 1
 
 
-def eager_and_graphs_denoisers(repo):
-    """fp32 on cuda:0: a denoiser on the eager runtime, one on the graphs runtime (and that
-    runtime), and the prompt encoder."""
+def eager_and_graphs_denoisers(repo, config: RuntimeConfig = RuntimeConfig(kind="graphs")):
+    """fp32 on cuda:0: a denoiser on the eager runtime, one on a fast runtime (graphs unless
+    `config` says) and that runtime, and the prompt encoder."""
     where = Placement("cuda:0", "fp32")
     folder = repo / "denoiser" / "1"
-    _, fast_runtime = runtimes(repo, "fp32", RuntimeConfig(kind="graphs"))
+    _, fast_runtime = runtimes(repo, "fp32", config)
     return (TorchDenoiser(folder, where), TorchDenoiser(folder, where, runtime=fast_runtime), fast_runtime,
             PromptEncoder(repo / "text_encoder" / "1", where))
 

@@ -11,8 +11,10 @@ import dataclasses
 import pytest
 import torch
 
+from backends.core.engine.builder import template_batch
 from backends.core.engine.requests import DenoiseJob, EditInputs
 from backends.core.request.params import Limits, validate
+from backends.core.runtime.config import RuntimeConfig
 from backends.core.runtime.placement import Placement
 from backends.core.stages.vae_encoding import EditEncoder
 from tests.gpu.test_fast_runtime import eager_and_graphs_denoisers, no_tf32, rel_err, repo  # noqa: F401  (fixtures)
@@ -20,17 +22,22 @@ from tests.gpu.test_fast_runtime import eager_and_graphs_denoisers, no_tf32, rel
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("streamed", [False, True])
-def test_a_reused_template_edit_on_the_fast_runtime_matches_the_exact_edit(repo, streamed):  # noqa: F811
+@pytest.mark.parametrize("kind,streamed", [("graphs", False), ("graphs", True), ("compiled", False)])
+def test_a_reused_template_edit_on_the_fast_runtime_matches_the_exact_edit(repo, kind, streamed):  # noqa: F811
     """`streamed`: the recording is over the device's budget, kept in pinned host memory and
-    copied to the device a step ahead on the load stream (engine/template_stream.py)."""
+    copied to the device a step ahead on the load stream (engine/template_stream.py).
+    `compiled`: the reusing steps' graphs are of the compiled halves, compiled at warmup."""
     import numpy as np
 
     from backends.core.engine.denoiser import TorchDenoiser
     from backends.core.engine.template_cache import TemplateCache
 
     where = Placement("cuda:0", "fp32")
-    eager, fast, fast_runtime, encoder = eager_and_graphs_denoisers(repo)
+    eager, fast, fast_runtime, encoder = eager_and_graphs_denoisers(
+        repo, RuntimeConfig(kind=kind, warmup_template_edits=kind == "compiled"))
+    if kind == "compiled":  # as a server warms up at load (64 px: an 8 x 8 latent)
+        fast_runtime.warmup(template_batch(fast_runtime.weights_module, torch.device("cuda:0"), torch.float32),
+                            [(8, 8)])
     if streamed:
         fast = TorchDenoiser(repo / "denoiser" / "1", where, runtime=fast_runtime,
                              templates=TemplateCache("cuda:0", device_bytes=1, host_bytes=1 << 30))
@@ -59,6 +66,8 @@ def test_a_reused_template_edit_on_the_fast_runtime_matches_the_exact_edit(repo,
     reused, use = run(fast, "door")
     assert use == "reused" and rel_err(reused, want) <= 1e-4
     assert fast_runtime.stats.graph_steps - graph_steps == 5  # every reusing step a graph's replay
+    reusing = [b for b in fast_runtime.buckets.values() if b.subsets is not None]
+    assert reusing and all(fast_runtime._halves(b)[2] == (kind == "compiled") for b in reusing)
     context = fast_runtime.eager.subsets
     assert 0 < context.computed_tokens < context.all_tokens
     again, use = run(fast, "door")  # the captured graphs again, refilled

@@ -103,3 +103,41 @@ def test_a_block_the_plan_leaves_whole_runs_every_token(block):
         context.layout = None
         want = BasicTransformerBlock.forward(block, x, encoder_hidden_states=text)
     assert torch.equal(got, want) and not static.buffers.outputs
+
+
+def test_one_compile_serves_every_token_share_and_row_count(block):
+    """The compiled runtime captures its reusing steps from compiled halves: the buffers' row and
+    token counts are dynamic, so a new share or row bucket is a new graph, not a new compile."""
+    from torch._dynamo import maybe_mark_dynamic, reset
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    block, context = block
+    g = torch.Generator().manual_seed(3)
+    text = torch.randn(4, 5, 24, generator=g)
+    template = recording(block, torch.randn(2, SIDE * SIDE, 32, generator=g), text[:2])
+    counter = CompileCounterWithBackend("aot_eager")
+    reset()
+    compiled = torch.compile(block, backend=counter)
+    buffers = {}
+    try:
+        for bucket_rows, window in ((3, (slice(1, 4), slice(2, 5))), (3, (slice(0, 8), slice(0, 4))),
+                                    (4, (slice(5, 6), slice(0, 1)))):
+            layout = TokenLayout(tuple(TokenRow(REUSE, template, 0, r % 2, computed_tokens(mask(*window), 1))
+                                       for r in range(bucket_rows)))
+            static = StaticSubsets(bucket_rows, graph_share(layout), None, context,
+                                   buffers.setdefault(bucket_rows, RecordedBuffers()))
+            x, rows_text = torch.randn(bucket_rows, SIDE * SIDE, 32, generator=g), text[:bucket_rows]
+            for t in (x, rows_text):  # (as cuda_graphs.capture marks a compiled capture's inputs)
+                maybe_mark_dynamic(t, 0)
+            with torch.inference_mode():
+                context.layout = static
+                block(x, encoder_hidden_states=rows_text)  # the buffers, made eager (as the runtime does)
+                static.fill(layout)
+                want = block(x, encoder_hidden_states=rows_text)
+                got = compiled(x, encoder_hidden_states=rows_text)
+                context.layout = None
+            assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+        assert counter.frame_count == 1
+    finally:
+        context.layout = None
+        reset()

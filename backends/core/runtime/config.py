@@ -60,10 +60,14 @@ class RuntimeConfig:
     # 27.80 -> 27.43 ms; the noise's error from fp16 unchanged at 3.1-3.2% (e4m3's rounding of the
     # operands dominates).
     fp8_fast_accum: bool = False
-    # Template edits' reusing steps as CUDA graphs of the eager modules, one pair per row bucket and
-    # token share (runtime/token_subsets.GRAPH_SHARES), captured when first needed (seconds, no
-    # compile); off: such steps run eager.
+    # Template edits' reusing steps as CUDA graphs, one pair per row bucket and token share
+    # (runtime/token_subsets.GRAPH_SHARES), captured when first needed: of the eager modules under
+    # `graphs` (seconds), of the compiled halves under `compiled` (one compile per latent size,
+    # minutes for SDXL, then seconds per bucket); off: such steps run eager.
     subset_graphs: bool = True
+    # Also capture (and compile) a reusing step's graphs at warmup_sizes, so that no edit waits on
+    # that compile; with `compiled`, a serving edit's first reusing step otherwise does.
+    warmup_template_edits: bool = False
     # Template edits' reusing rows also run the ResNet blocks on their mask's box, the rest from the
     # recording (runtime/conv_subsets.py): approximate beyond the transformer blocks' reuse, opt-in
     # until measured at SDXL size. Eager steps only: with subset_graphs, reusing steps run them whole.

@@ -373,11 +373,11 @@ class StaticSubsets:
             return BasicTransformerBlock.forward(block, x, encoder_hidden_states=text)
         idx = self.indices.get(tokens)
         if idx is None:
-            idx = self.indices[tokens] = torch.zeros((self.rows, share_tokens(self.share, tokens)), dtype=torch.long,
-                                                     device=x.device)
+            idx = self.indices[tokens] = _dynamic(torch.zeros((self.rows, share_tokens(self.share, tokens)),
+                                                              dtype=torch.long, device=x.device), 0, 1)
         y = self.buffers.outputs.get(index)
         if y is None:
-            y = self.buffers.outputs[index] = torch.zeros_like(x)
+            y = self.buffers.outputs[index] = _dynamic(torch.zeros_like(x), 0)
         at = idx.unsqueeze(-1).expand(-1, -1, width)
         return y.scatter(1, at, _masked_tokens(block, x, text, at))
 
@@ -400,6 +400,16 @@ class StaticSubsets:
             taken = self.takes(block)
             context.computed_tokens += sum(r.computed[tokens].numel() for r in layout.rows) if taken else rows * tokens
             context.all_tokens += rows * tokens
+
+
+def _dynamic(buffer: torch.Tensor, *dims: int) -> torch.Tensor:
+    """`buffer`, its `dims` (rows, computed tokens) marked dynamic for torch.compile: one compile of
+    the reusing halves serves every row bucket and token share, each still its own CUDA graph."""
+    from torch._dynamo import maybe_mark_dynamic
+
+    for dim in dims:
+        maybe_mark_dynamic(buffer, dim)
+    return buffer
 
 
 def _padded(indices: torch.Tensor, n: int) -> torch.Tensor:

@@ -15,9 +15,16 @@ What runs eager instead (through the eager runtime over the very same modules an
 - more rows than the largest bucket;
 - a shape without a bucket when misses are not captured (`compiled`: capturing means compiling);
 - template edits' steps that record, or mix roles (runtime/token_subsets.py). Steps whose rows all
-  reuse a recording run as graphs of the eager modules, one pair per row bucket and token share
-  (`GRAPH_SHARES`), captured at first use under either runtime (no compile); their buckets' static
-  token indices and recorded outputs are filled before each replay (`StaticSubsets.fill`).
+  reuse a recording run as graphs, one pair per row bucket and token share (`GRAPH_SHARES`); their
+  buckets' static token indices and recorded outputs are filled before each replay
+  (`StaticSubsets.fill`). Under `graphs`, and under `compiled` where a load plan leaves some blocks
+  whole (a plan per batch would mean a compile per plan), they are graphs of the eager modules,
+  captured at first use (no compile). Under `compiled` with every block from the recording they are
+  graphs of the compiled halves: their row and token counts are dynamic, so one compile per latent
+  size serves every bucket and share (at warmup with `warmup_template_edits`, else at the first
+  such step). On an H200 the eager modules' reusing step (1024 px, 2 rows, 20% mask) took 32.4 ms
+  against the compiled exact step's 31.4: eager GroupNorm, layout copies and unfused element-wise
+  work on the whole ResNets outweighed the transformer work saved.
 LoRA merges write into the weights' own memory, so captured graphs see them (tested on the GPU).
 All graphs of a runtime share one memory pool: they never run concurrently, and the static
 buffers stay referenced, so the pool never hands them out twice.
@@ -42,7 +49,7 @@ from backends.core.runtime.compile_cache import use_compile_cache
 from backends.core.runtime.config import RuntimeConfig
 from backends.core.runtime.cuda_graphs import capture
 from backends.core.runtime.packed_attention import pack_attention
-from backends.core.runtime.token_subsets import RecordedBuffers, StaticSubsets, graph_share
+from backends.core.runtime.token_subsets import GRAPH_SHARES, RecordedBuffers, StaticSubsets, graph_share
 from backends.core.runtime.torch_eager import EagerUNetRuntime
 
 log = logging.getLogger(__name__)
@@ -68,6 +75,7 @@ class _Bucket:
         self.enc_out: tuple | None = None  # (emb, mid, skips), written by each replay
         self.decoders: dict[bool, tuple] = {}  # with residuals? -> (graph, noise, residual buffers)
         self.subsets: StaticSubsets | None = None  # a reusing step's bucket: the token subsets its graphs read
+        self.eager_halves = False  # its graphs are of the eager modules (see FastUNetRuntime._halves)
 
     def load(self, batch: StepBatch) -> None:
         n = batch.rows
@@ -100,6 +108,7 @@ class FastUNetRuntime:
         self.pool = torch.cuda.graph_pool_handle()
         self.buckets: dict[tuple, _Bucket] = {}
         self._recorded: dict[tuple, RecordedBuffers] = {}  # (h, w, rows) -> what reusing buckets share
+        self._warm_edits: set[tuple] = set()  # _size()s whose reusing buckets' compile was warmed up
         if config.fused_kernels:
             from plugins import use_fused_kernels
 
@@ -214,14 +223,23 @@ class FastUNetRuntime:
     @torch.inference_mode()
     def warmup(self, template: StepBatch, sizes, with_residuals: bool = False) -> float:
         """Capture (and compile) the encoder and decoder graphs of every row bucket at `sizes`
-        (latent h, w), from a template batch of one row. Returns the seconds it took."""
+        (latent h, w), from a template batch of one row, and with `warmup_template_edits` a
+        reusing step's. Returns the seconds it took."""
         start = time.perf_counter()
+        edits = self.config.warmup_template_edits and self.config.subset_graphs
+        if edits:  # the blocks' classes before any compile: installing them later would recompile the halves
+            self.eager.subset_context()
         for h, w in sizes:
             for rows in self.config.row_buckets:
                 bucket = self._capture(_resized(template, rows, h, w), rows)
                 self._capture_decoder(bucket, False, force=True)
                 if with_residuals:
                     self._capture_decoder(bucket, True, force=True)
+            if edits:  # (compiled: one compile, dynamic in rows and share, serves every reusing bucket)
+                rows = self.config.row_buckets[0]
+                batch = _resized(template, rows, h, w)
+                self._warm_edits.add(self._size(self._key(batch, rows)))
+                self._capture_subsets(batch, rows, GRAPH_SHARES[0], None)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
         self.stats.warmup_s += seconds
@@ -229,6 +247,12 @@ class FastUNetRuntime:
 
     def _key(self, batch: StepBatch, rows: int) -> tuple:
         return (*batch.latent_shape, rows, batch.text.shape[1], batch.sample.dtype)
+
+    @staticmethod
+    def _size(key: tuple) -> tuple:
+        """A bucket key less its row count: what a compile of the halves specializes on."""
+        h, w, _, *rest = key
+        return (h, w, *rest)
 
     def _bucket(self, batch: StepBatch) -> _Bucket | None:
         if batch.lora_segments:
@@ -248,25 +272,27 @@ class FastUNetRuntime:
         return bucket
 
     def _capture(self, batch: StepBatch, rows: int, key: tuple | None = None,
-                 subsets: StaticSubsets | None = None) -> _Bucket:
+                 subsets: StaticSubsets | None = None, eager_halves: bool = False) -> _Bucket:
         """A bucket of `rows` rows and its encoder graph, kept under `key` (default: _key's);
-        `subsets`: a reusing step's, whose graphs are of the eager halves."""
+        `subsets`: a reusing step's, whose graphs are of the eager halves with `eager_halves`."""
         start = time.perf_counter()
         bucket = _Bucket(batch, rows, self.config.uses_channels_last, self._text_rows(batch, rows))
-        bucket.subsets = subsets
+        bucket.subsets, bucket.eager_halves = subsets, eager_halves
         self._load(batch, bucket)
         args = (bucket.sample, bucket.timestep, bucket.text, bucket.pooled, bucket.time_ids)
         fn, _, compiled = self._halves(bucket)
         with self._layout(bucket):
+            if compiled and subsets is not None:  # the subsets' buffers: the compile reads them, not makes them
+                self.eager.encoder(*args)
             bucket.encoder, bucket.enc_out = capture(fn, args, self.pool, compiled, WARMUP_RUNS)
         self.buckets[key or self._key(batch, rows)] = bucket
         self._captured(start, "encoder" if subsets is None else f"encoder (token share {subsets.share:g})", rows)
         return bucket
 
     def _halves(self, bucket: _Bucket) -> tuple:
-        """(encoder, decoder, compiled) that a bucket's graphs capture: a reusing step's are the
-        eager halves (their blocks serve the static token subsets), others the runtime's own."""
-        if bucket.subsets is not None:
+        """(encoder, decoder, compiled) that a bucket's graphs capture: the runtime's own, or the
+        eager halves (either way a reusing step's blocks serve its static token subsets)."""
+        if bucket.eager_halves:
             return self.eager.encoder, self.eager.decoder, False
         return self.enc_fn, self.dec_fn, self.caps.compiled
 
@@ -281,16 +307,26 @@ class FastUNetRuntime:
         rows = self.bucket_rows(batch.rows)
         if share is None or rows is None:
             return None
-        key = (*self._key(batch, rows), share, batch.tokens.cached)
-        bucket = self.buckets.get(key)
+        bucket = self.buckets.get((*self._key(batch, rows), share, batch.tokens.cached))
         if bucket is None:
-            buffers = self._recorded.setdefault((*batch.latent_shape, rows), RecordedBuffers())
-            subsets = StaticSubsets(rows, share, batch.tokens.cached, self.eager.subset_context(), buffers)
-            bucket = self._capture(batch, rows, key, subsets)
-            # The decoder's too, now: its blocks' buffers are made by its capture's warm-up, and
-            # this step's fill must reach them.
-            self._capture_decoder(bucket, False)
+            bucket = self._capture_subsets(batch, rows, share, batch.tokens.cached)
         bucket.subsets.fill(batch.tokens)
+        return bucket
+
+    def _capture_subsets(self, batch: StepBatch, rows: int, share: float, cached: frozenset[int] | None) -> _Bucket:
+        """A reusing step's bucket of `rows` rows at token share `share` under the load plan
+        `cached`. Its graphs are of the compiled halves where the runtime compiles, every block
+        reads the recording, and that compile is warm at its size (or misses may capture: a
+        compile is minutes); else of the eager modules (a plan per batch would compile per plan)."""
+        size = self._key(batch, rows)
+        eager_halves = not (self.caps.compiled and cached is None
+                            and (self.config.miss_captures or self._size(size) in self._warm_edits))
+        buffers = self._recorded.setdefault((*batch.latent_shape, rows), RecordedBuffers())
+        subsets = StaticSubsets(rows, share, cached, self.eager.subset_context(), buffers)
+        bucket = self._capture(batch, rows, (*size, share, cached), subsets, eager_halves)
+        # The decoder's too, now: its blocks' buffers are made before its capture, and the step's
+        # fill must reach them.
+        self._capture_decoder(bucket, False)
         return bucket
 
     def _text_rows(self, batch: StepBatch, rows: int) -> torch.Tensor:
@@ -317,6 +353,8 @@ class FastUNetRuntime:
         args = (emb, mid, skips, bucket.text, *(buffers or (None, None)))
         _, fn, compiled = self._halves(bucket)
         with self._layout(bucket):
+            if compiled and bucket.subsets is not None:
+                self.eager.decoder(*args)
             graph, noise = capture(fn, args, self.pool, compiled, WARMUP_RUNS)
         bucket.decoders[with_res] = (graph, noise, buffers)
         self._captured(start, "decoder (with residuals)" if with_res else "decoder", bucket.rows)
