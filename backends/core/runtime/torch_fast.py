@@ -126,6 +126,9 @@ class FastUNetRuntime:
         self._text_key: dict[tuple[int, int], tuple] = {}
         self._weights_version = 0
         self.enc_fn, self.dec_fn = eager.encoder, eager.decoder
+        # The blocks' token-subset classes now, before any compile: swapped in later (at the first
+        # template edit) they fail the compiled halves' guards, and the next capture recompiles them.
+        eager.subset_context()
         if config.kind == "compiled":
             self._compile(cache_root)
 
@@ -227,8 +230,6 @@ class FastUNetRuntime:
         reusing step's. Returns the seconds it took."""
         start = time.perf_counter()
         edits = self.config.warmup_template_edits and self.config.subset_graphs
-        if edits:  # the blocks' classes before any compile: installing them later would recompile the halves
-            self.eager.subset_context()
         for h, w in sizes:
             for rows in self.config.row_buckets:
                 bucket = self._capture(_resized(template, rows, h, w), rows)
