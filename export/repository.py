@@ -317,11 +317,12 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
          **({"vae_dtype": options.vae_dtype} if options.vae_dtype else {})}))
 
     # An edit's template and mask through the VAE's encoder, beside each VAE decoder (whose copy of
-    # the VAE it loads).
+    # the VAE it loads); the masked template only for a UNet that reads it.
     model = _fresh_model_dir(repo, "vae_encoder")
     (model / "config.pbtxt").write_text(python_model(
         "vae_encoder", "easel_vae_encoder", contract.VAE_ENCODER, options.stage_instances(),
-        {**engine_params, **checks, "artifacts": f"vae_decoder/{VERSION}"}))
+        {**engine_params, **checks, "artifacts": f"vae_decoder/{VERSION}",
+         "masked_image": _flag(pipe.unet.config.in_channels == 9)}))
 
     # CPU-only: validation. (The image file is encoded by the pipeline itself: backends/triton/bls_pipeline.py.)
     cpu = Instances("KIND_CPU", 1)

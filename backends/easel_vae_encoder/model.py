@@ -11,8 +11,8 @@ import triton_python_backend_utils as pb_utils
 from backends.core.request.edit_inputs import decode_edit_images
 from backends.core.request.params import InvalidInput
 from backends.core.stages.vae_encoding import EditEncoder
-from backends.triton.adapter import (artifact_folder, each_request, limits, params_tensor, placement, read_params,
-                                     scalar, setup_stub)
+from backends.triton.adapter import (artifact_folder, each_request, limits, parameters, params_tensor, placement,
+                                     read_params, scalar, setup_stub)
 
 
 class TritonPythonModel:
@@ -21,7 +21,8 @@ class TritonPythonModel:
         self.limits = limits(args)
         where = placement(args)
         where.make_current()
-        self.encoder = EditEncoder(artifact_folder(args), where)
+        self.encoder = EditEncoder(artifact_folder(args), where,
+                                   masked_image=parameters(args).get("masked_image", "true") == "true")
 
     def execute(self, requests):
         return each_request(requests, self._encode, "vae_encoder")

@@ -82,7 +82,8 @@ PREPROCESS = ModelDecl(inputs=PUBLIC.inputs, outputs=(PARAMS, CONTROL_IMAGES))
 TEXT_ENCODER = ModelDecl(inputs=(PARAMS,), outputs=(PARAMS, *EMBEDS))
 # An edit's template and mask, encoded by the VAE (backends/core/stages/vae_encoding.py): the latent
 # distributions of the template and of the template with its masked region blanked (mean and std,
-# before the VAE's scaling factor), the mask at latent size (1: repaint), and that factor.
+# before the VAE's scaling factor; zeros for a UNet of 4 input channels, which only draws that
+# sample), the mask at latent size (1: repaint), and that factor.
 EDIT = (_t("image_mean", "FP32", 1, -1, -1, -1), _t("image_std", "FP32", 1, -1, -1, -1),
         _t("masked_mean", "FP32", 1, -1, -1, -1), _t("masked_std", "FP32", 1, -1, -1, -1),
         _t("mask", "FP32", 1, 1, -1, -1), _t("scaling_factor", "FP32", 1))
