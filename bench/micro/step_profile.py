@@ -9,13 +9,13 @@ the step is timed as the runtime replays it (CUDA events, median), and its kerne
 unreplayed (the same modules, or the same compiled functions, called directly) so that each kernel
 shows under its own name. Each category's share is printed beside the FLOP floor of the step.
 
-`+reuseR` (graphs or compiled) profiles a template edit's reusing step instead (timed beside the same
-runtime's exact step, `exact_step_ms`; its reusing forms warmed up with the runtime): every row reuses a
-recording (random values: only shapes and counts matter here) and computes the tokens of a centered
-mask of ratio R (runtime/token_subsets.py), as the runtime replays it (the static token subsets'
-CUDA graphs, their buffers filled before each replay) and unreplayed (the functions those graphs
-captured, on the same static subsets). Beside the whole step of `compiled` and of `graphs` it says what a reusing
-step costs and where its time goes.
+`+reuseR` (graphs or compiled) profiles a template edit's reusing step instead, timed beside the
+same runtime's exact step (`exact_step_ms`; the reusing forms are warmed up with the runtime): every
+row reuses a recording (random values: only shapes and counts matter here) and computes the tokens
+of a centered mask of ratio R (runtime/token_subsets.py), as the runtime replays it (the static
+token subsets' CUDA graphs, their buffers filled before each replay) and unreplayed (the functions
+those graphs captured, on the same static subsets): what a reusing step costs and where its time
+goes.
 
     python3 -m bench.micro.step_profile --work /tmp/easel-micro --out $OUT/step_profile.json --kinds graphs+fused,compiled
     python3 -m bench.micro.step_profile --kinds compiled,graphs,compiled+reuse0.05,compiled+reuse0.2

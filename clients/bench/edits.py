@@ -70,6 +70,14 @@ def _pixels(result) -> np.ndarray:
     return np.asarray(result.image().convert("RGB"))
 
 
+def _stages(info: dict) -> dict[str, float]:
+    """Where an edit's seconds went, as its response says: each stage's, the denoiser's queue and
+    admission, and the server's total."""
+    out = {k: float(v) for k, v in info.get("stages_s", {}).items() if isinstance(v, (int, float))}
+    out.update({k: float(info[k]) for k in ("queue_s", "admit_s", "total_s") if info.get(k) is not None})
+    return out
+
+
 def compare(got: np.ndarray, want: np.ndarray, mask: np.ndarray) -> dict:
     from clients.bench.image_metrics import psnr, ssim
 
@@ -126,10 +134,13 @@ def latency(client, setup, template: bytes, out: dict) -> None:
         files = dict(request, mask_image=_png(mask))
         row = out.setdefault(str(ratio), {"mask_ratio": float((mask > 0).mean())})
         exact, reused, row["exact_s"], row["reuse_s"], row["quality"] = [], [], [], [], []
+        stages = {"exact": [], "reuse": []}
         for i in range(setup.runs):
             start = time.perf_counter()
-            exact.append(_pixels(client.generate(f"an edit {i}", **files)))
+            result = client.generate(f"an edit {i}", **files)
             row["exact_s"].append(time.perf_counter() - start)
+            exact.append(_pixels(result))
+            stages["exact"].append(_stages(result.info))
         # Untimed: a mask's first reusing step of a token share captures that share's graphs
         # (runtime/torch_fast.py), once per server; kept apart from the p50.
         row["reuse_first_s"], _ = reused_edit(client, "a first edit", files)
@@ -137,9 +148,12 @@ def latency(client, setup, template: bytes, out: dict) -> None:
             seconds, result = reused_edit(client, f"an edit {i}", files)
             row["reuse_s"].append(seconds)
             reused.append(_pixels(result))
+            stages["reuse"].append(_stages(result.info))
             row["quality"].append(compare(reused[-1], exact[i], mask))
         row["exact_p50_s"], row["reuse_p50_s"] = float(np.median(row["exact_s"])), float(np.median(row["reuse_s"]))
         row["speedup"] = row["exact_p50_s"] / row["reuse_p50_s"]
+        row["stages_p50_s"] = {path: {k: float(np.median([r[k] for r in runs])) for k in runs[0]}
+                               for path, runs in stages.items()}
         row["psnr_median"] = float(np.median([q["psnr"] for q in row["quality"]]))
         row["masked_psnr_median"] = float(np.median([q["masked_psnr"] for q in row["quality"]]))
         log.info("mask %.2f: exact p50 %.3fs, reused %.3fs (%.2fx); PSNR %.2f dB (masked %.2f)", ratio,
@@ -358,6 +372,15 @@ def markdown(results: dict) -> str:
                      f"({_fmt(row.get('masked_psnr_median'), ' dB', 2)}) | "
                      f"{_fmt(eager.get('latency', {}).get(ratio, {}).get('p50_s'))} | "
                      f"{_fmt(compiled.get('latency', {}).get(ratio, {}).get('p50_s'))} |")
+    stages = {ratio: row["stages_p50_s"] for ratio, row in results["latency"].items() if row.get("stages_p50_s")}
+    if stages:
+        names = sorted({k for paths in stages.values() for runs in paths.values() for k in runs})
+        lines += ["", "## Where an edit's seconds go (p50 per stage, as the responses report them)", "",
+                  "| mask | path | " + " | ".join(n.removesuffix("_s") for n in names) + " |",
+                  "| --- | --- | " + " | ".join("---" for _ in names) + " |"]
+        for ratio, paths in stages.items():
+            for path, runs in paths.items():
+                lines.append(f"| {float(ratio):.2f} | {path} | " + " | ".join(_fmt(runs.get(n)) for n in names) + " |")
     lines += ["", f"## Throughput ({results['throughput_steps']} steps, masks around a mean of {TRACE_MEAN_RATIO})", "",
               "| concurrency | exact | reusing | speed-up | diffusers eager (one batch) | diffusers compiled |",
               "| --- | --- | --- | --- | --- | --- |"]

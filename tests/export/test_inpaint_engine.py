@@ -72,10 +72,23 @@ def edit_job(setup, rid, scheduler, strength, seed):
 
 @pytest.mark.parametrize("scheduler", [None, "euler", "euler_a", "dpmpp_2m_karras", "ddim"])
 @pytest.mark.parametrize("strength", [1.0, 0.6])
-def test_inpainting_matches_diffusers(setup, scheduler, strength):
+@pytest.mark.parametrize("sampler", ["vectorized", "diffusers"])
+def test_inpainting_matches_diffusers(setup, scheduler, strength, sampler, monkeypatch):
+    """`vectorized`: the request's sampler plan from the step strength starts at (the blend's
+    add_noise from its tables); `diffusers`: the fallback for a scheduler that has no plan, its
+    begin index set."""
+    from backends.core.engine.workflows import inpaint
+
     engine, encoder, pipe, image, mask = setup
+    if sampler == "diffusers":
+        monkeypatch.setattr(inpaint, "vectorizable", lambda sched: False)
+    job = edit_job(setup, "edit", scheduler, strength, seed=3)
+    state = engine.start(job)
+    assert (state.plan is not None) == (sampler == "vectorized")
+    if state.plan is not None:  # the steps strength leaves out: the plan starts after them
+        assert state.plan.start == STEPS - int(STEPS * strength) and state.plan.num_steps == len(state.timesteps)
     want = diffusers_latents(pipe, image, mask, scheduler, strength, seed=3)
-    (got,) = run(engine, [edit_job(setup, "edit", scheduler, strength, seed=3)])
+    (got,) = run(engine, [job])
     assert got.error is None, got.error
     assert got.latents.shape == want.shape
     assert np.abs(got.latents - want).max() <= TOL

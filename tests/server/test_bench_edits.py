@@ -24,6 +24,9 @@ def test_the_edit_benchmark_measures_every_mask_ratio_and_concurrency(tmp_path):
     for row in results["latency"].values():
         assert len(row["exact_s"]) == len(row["reuse_s"]) == 2 and row["speedup"] > 0 and row["reuse_first_s"] > 0
         assert all(q["psnr"] >= MIN_PSNR and q["masked_psnr"] >= MIN_PSNR for q in row["quality"]), row["quality"]
+        for path in ("exact", "reuse"):  # where the seconds went, as the responses say
+            stages = row["stages_p50_s"][path]
+            assert stages["vae_encoder_s"] > 0 and 0 < stages["denoise_s"] < stages["total_s"], stages
     for c in ("1", "2"):
         entry = results["throughput"][c]
         assert entry["exact"]["img_s"] > 0 and set(entry["reuse"]["template_use"]) == {"reused"}
@@ -40,5 +43,5 @@ def test_the_edit_benchmark_measures_every_mask_ratio_and_concurrency(tmp_path):
     assert "diffusers_compiled" not in results  # --cpu-smoke: no torch.compile
     table = (out / "edits.md").read_text()
     assert "| 0.25 |" in table and "| 8.0 | work |" in table  # the 20% mask at 64 px; a load row
-    assert "steps stalled for streamed copies" in table
+    assert "steps stalled for streamed copies" in table and "| 0.25 | reuse |" in table  # (the stages' rows)
     assert (out / "edits_latency.png").stat().st_size > 0 and (out / "edits_load.png").stat().st_size > 0

@@ -207,6 +207,30 @@ def test_a_step_reads_no_device_value():
     assert plans[2].prev_x0.device.type == "meta"
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("case", list(CASES))
+def test_add_noise_is_diffusers_from_a_begin_index(case, dtype):
+    """An edit's start (strength: the schedule from step `start`) and its blend after each step:
+    add_noise at the plan's step k is diffusers' add_noise with its begin index set, before any
+    step (k = 0) and after k steps, bit for bit."""
+    steps, start = 12, 4
+    g = torch.Generator().manual_seed(5)
+    original, noise = torch.randn(SHAPE, generator=g).to(dtype), torch.randn(SHAPE, generator=g).to(dtype)
+    plan = SamplerPlan.from_scheduler(CASES[case]("epsilon"), steps, torch.Generator(), start=start)
+    sched = CASES[case]("epsilon")
+    sched.set_timesteps(steps)
+    indexed = hasattr(sched, "set_begin_index")  # (DDIM reads the timestep given)
+    if indexed:
+        sched.set_begin_index(start)
+    for k in range(steps - start):
+        if k and indexed:  # diffusers reads its step index, which each step advances
+            sched._step_index = start + k
+        want = sched.add_noise(original, noise, sched.timesteps[start + k:start + k + 1])
+        got = samplers.add_noise(original, noise, plan, k)
+        assert got.dtype == want.dtype and torch.equal(got, want), (case, k)
+    assert samplers.add_noise(torch.empty(SHAPE, device="meta"), torch.empty(SHAPE, device="meta"), plan, 1).is_meta
+
+
 def test_noise_comes_from_each_requests_generator():
     plans = [SamplerPlan.from_scheduler(CASES["euler_a"]("epsilon"), 5, generator=torch.Generator().manual_seed(s))
              for s in (7, 8)] + [SamplerPlan.from_scheduler(CASES["ddim"]("epsilon"), 5)]
@@ -291,3 +315,27 @@ def test_scheduler_prototypes_give_what_a_fresh_scheduler_gives(name):
     assert list(prototypes._prototypes) == [(name, 5), (name, 12)]
     assert prototypes.shared(name, 12) is prototypes.shared(name, 12)
     assert prototypes.fresh(name, 12) is not prototypes.shared(name, 12)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", ["default", "euler_a", "dpmpp_2m_karras", "ddim"])
+def test_add_noise_on_cuda_is_diffusers_without_a_sync(case):
+    """An edit's blend on the device (fp16): diffusers' add_noise to the bit, and no host sync
+    (diffusers' own copies its table to the device and indexes it on every call)."""
+    steps, start = 12, 4
+    g = torch.Generator().manual_seed(6)
+    original, noise = (torch.randn(SHAPE, generator=g).to("cuda", torch.float16) for _ in range(2))
+    plan = SamplerPlan.from_scheduler(CASES[case]("epsilon"), steps, torch.Generator(), start=start)
+    sched = CASES[case]("epsilon")
+    sched.set_timesteps(steps, device="cuda")
+    if hasattr(sched, "set_begin_index"):
+        sched.set_begin_index(start)
+        sched._step_index = start + 3
+    want = sched.add_noise(original, noise, sched.timesteps[start + 3:start + 4])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        got = samplers.add_noise(original, noise, plan, 3)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert torch.equal(got, want)

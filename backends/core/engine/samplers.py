@@ -108,6 +108,8 @@ def unsupported_reason(scheduler) -> str | None:
             return f"solver_type {cfg.solver_type!r}"
         if cfg.variance_type is not None:
             return f"variance_type {cfg.variance_type!r} (supported: None)"
+        if getattr(cfg, "use_flow_sigmas", False):
+            return "use_flow_sigmas (add_noise's alpha and sigma differ)"
     if kind in ("dpmpp", "ddim") and cfg.thresholding:
         return "thresholding (dynamic thresholding needs a per-row quantile)"
     return None
@@ -138,6 +140,9 @@ class SamplerTables:
     scale_recip: tuple[float, ...] | None
     # DPM++: whether step i takes the second-order update once a previous prediction exists.
     second_order: tuple[bool, ...]
+    # What add_noise reads at step i: the sigma (Euler, Euler a, DPM++), or DDIM's alpha_cumprod
+    # at the step's timestep; float32, as diffusers' tables hold them.
+    noising: tuple[float, ...]
 
     @classmethod
     def compute(cls, scheduler, num_inference_steps: int) -> SamplerTables:
@@ -163,6 +168,8 @@ class SamplerTables:
             scale_recip=None if scale is None else tuple(_recip(x) for x in scale),
             second_order=tuple(kind == "dpmpp" and cfg.solver_order == 2 and not _dpm_lower_order_final(cfg, i, n)
                                for i in range(n)),
+            noising=tuple(float(twin.alphas_cumprod[int(twin.timesteps[i])]) if kind == "ddim"
+                          else float(twin.sigmas[i]) for i in range(n)),
         )
 
 
@@ -186,11 +193,13 @@ def _tables(scheduler, num_inference_steps: int) -> SamplerTables:
 
 @dataclass(eq=False)
 class SamplerPlan:
-    """One request's sampler: its tables, and its state across steps."""
+    """One request's sampler: its tables, and its state across steps. Its steps are counted from
+    `start`, the schedule's first step it runs (an edit's strength leaves out those before)."""
 
     tables: SamplerTables
     generator: torch.Generator | None = None  # euler_a's noise source (the request's CPU generator)
     prev_x0: torch.Tensor | None = None  # DPM++ state: the last data prediction, [1, C, H, W] on the device
+    start: int = 0
 
     @property
     def method(self) -> Method:
@@ -206,20 +215,23 @@ class SamplerPlan:
 
     @property
     def num_steps(self) -> int:
-        return len(self.tables.timesteps)
+        return len(self.tables.timesteps) - self.start
 
     @classmethod
     def from_scheduler(cls, scheduler, num_inference_steps: int,
-                       generator: torch.Generator | None = None) -> SamplerPlan:
-        """The plan of a request that samples like `scheduler` for `num_inference_steps` steps.
-        `scheduler` is left untouched. euler_a needs `generator`: the request's CPU generator,
-        after the initial latents were drawn from it."""
+                       generator: torch.Generator | None = None, start: int = 0) -> SamplerPlan:
+        """The plan of a request that samples like `scheduler` for `num_inference_steps` steps,
+        from step `start` on (diffusers' begin index). `scheduler` is left untouched. euler_a
+        needs `generator`: the request's CPU generator, after the initial latents were drawn from it."""
         reason = unsupported_reason(scheduler)
         if reason is not None:
             raise ValueError(f"sampler: cannot vectorize {type(scheduler).__name__}: {reason}")
         if _KINDS[type(scheduler)] == "euler_a" and (generator is None or generator.device.type != "cpu"):
             raise ValueError("sampler: euler_a needs the request's CPU torch.Generator for its noise")
-        return cls(_tables(scheduler, num_inference_steps), generator)
+        tables = _tables(scheduler, num_inference_steps)
+        if not 0 <= start < len(tables.timesteps):
+            raise ValueError(f"sampler: start {start} outside 0..{len(tables.timesteps) - 1}")
+        return cls(tables, generator, start=start)
 
 
 def model_timesteps(plans: Sequence[SamplerPlan], indices: Sequence[int], device: torch.device | str,
@@ -228,7 +240,7 @@ def model_timesteps(plans: Sequence[SamplerPlan], indices: Sequence[int], device
     rows, e.g. 2 with guidance), in one copy."""
     _check_batch(plans, indices)
     repeats = repeats or [1] * len(plans)
-    values = [p.timesteps[i] for p, i, r in zip(plans, indices, repeats) for _ in range(r)]
+    values = [p.timesteps[p.start + i] for p, i, r in zip(plans, indices, repeats) for _ in range(r)]
     return _to_device(values, torch.device(device))
 
 
@@ -240,7 +252,7 @@ def scale_model_input(sample: torch.Tensor, plans: Sequence[SamplerPlan], indice
         return sample
     k = _kernels(sample.device)
     # Rows that are not scaled divide by 1.0, which is exact.
-    values = [1.0 if p.tables.scale is None else (p.tables.scale_recip if k.recip else p.tables.scale)[i]
+    values = [1.0 if p.tables.scale is None else (p.tables.scale_recip if k.recip else p.tables.scale)[p.start + i]
               for p, i in zip(plans, indices)]
     scale = _to_device(values, sample.device).reshape(-1, *[1] * (sample.dim() - 1))
     return _div(sample, scale, k)
@@ -268,10 +280,10 @@ def step(model_output: torch.Tensor, sample: torch.Tensor, plans: Sequence[Sampl
     if model_output.shape != sample.shape:
         raise ValueError(f"sampler: model_output {tuple(model_output.shape)} and sample {tuple(sample.shape)} differ")
     k = _kernels(sample.device)
-    second = [p.prev_x0 is not None and p.tables.second_order[i] for p, i in zip(plans, indices)]
+    second = [p.prev_x0 is not None and p.tables.second_order[p.start + i] for p, i in zip(plans, indices)]
     values = []
     for p, i, sec in zip(plans, indices, second):
-        row = (p.tables.coefs_recip if k.recip else p.tables.coefs)[i]
+        row = (p.tables.coefs_recip if k.recip else p.tables.coefs)[p.start + i]
         if p.method.kind == "dpmpp" and not sec:
             row = (*row[:4], 0.0, 0.0)  # first-order update: the D1 term adds exactly zero
         values.append(row)
@@ -297,6 +309,23 @@ def step(model_output: torch.Tensor, sample: torch.Tensor, plans: Sequence[Sampl
             out = _ddim(mo, x, c, v, k, method.clip)
         outputs.append(out)
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs)
+
+
+def add_noise(original: torch.Tensor, noise: torch.Tensor, plan: SamplerPlan, index: int) -> torch.Tensor:
+    """The scheduler's add_noise at the plan's step `index` (counted as `step` counts them), as
+    diffusers' begin-indexed schedulers compute it, without a host sync: the one value they look up
+    (a sigma, or DDIM's alpha_cumprod) is cast to the samples' dtype on the host, as diffusers casts
+    its table, and copied once; the arithmetic is theirs."""
+    value = torch.tensor([plan.tables.noising[plan.start + index]], dtype=torch.float32).to(original.dtype)
+    v = to_device(value, original.device).reshape(1, *[1] * (original.dim() - 1))
+    kind = plan.method.kind
+    if kind in ("euler", "euler_a"):
+        return original + noise * v
+    if kind == "dpmpp":  # _sigma_to_alpha_sigma_t
+        alpha_t = 1 / ((v**2 + 1) ** 0.5)
+        sigma_t = v * alpha_t
+        return alpha_t * original + sigma_t * noise
+    return v**0.5 * original + (1 - v) ** 0.5 * noise  # DDIM: sqrt(alpha_cumprod), sqrt(1 - alpha_cumprod)
 
 
 # --- the arithmetic, as diffusers 0.42.1 writes it ------------------------------------------

@@ -61,12 +61,12 @@ class RuntimeConfig:
     # operands dominates).
     fp8_fast_accum: bool = False
     # Template edits' reusing steps as CUDA graphs, one pair per row bucket and token share
-    # (runtime/token_subsets.GRAPH_SHARES), captured when first needed: of the eager modules under
-    # `graphs` (seconds), of the compiled halves under `compiled` (one compile per latent size,
-    # minutes for SDXL, then seconds per bucket); off: such steps run eager.
+    # (runtime/token_subsets.GRAPH_SHARES), captured when first needed (seconds): of the compiled
+    # halves under `compiled` where warmup_template_edits compiled them (or misses capture), else
+    # of the eager modules; off: such steps run eager.
     subset_graphs: bool = True
-    # Also capture (and compile) a reusing step's graphs at warmup_sizes, so that no edit waits on
-    # that compile; with `compiled`, a serving edit's first reusing step otherwise does.
+    # Also capture a reusing step's graphs at warmup_sizes; under `compiled`, compile the reusing
+    # halves there (one compile per size, dynamic in rows and token share: minutes for SDXL).
     warmup_template_edits: bool = False
     # Template edits' reusing rows also run the ResNet blocks on their mask's box, the rest from the
     # recording (runtime/conv_subsets.py): approximate beyond the transformer blocks' reuse, opt-in

@@ -20,9 +20,9 @@ What runs eager instead (through the eager runtime over the very same modules an
   (`StaticSubsets.fill`). Under `graphs`, and under `compiled` where a load plan leaves some blocks
   whole (a plan per batch would mean a compile per plan), they are graphs of the eager modules,
   captured at first use (no compile). Under `compiled` with every block from the recording they are
-  graphs of the compiled halves: their row and token counts are dynamic, so one compile per latent
-  size serves every bucket and share (at warmup with `warmup_template_edits`, else at the first
-  such step). On an H200 the eager modules' reusing step (1024 px, 2 rows, 20% mask) took 32.4 ms
+  graphs of the compiled halves where that compile is warm (`warmup_template_edits`, or misses
+  capture): their row and token counts are dynamic, so one compile per latent size serves every
+  bucket and share; elsewhere, graphs of the eager modules. On an H200 the eager modules' reusing step (1024 px, 2 rows, 20% mask) took 32.4 ms
   against the compiled exact step's 31.4: eager GroupNorm, layout copies and unfused element-wise
   work on the whole ResNets outweighed the transformer work saved.
 LoRA merges write into the weights' own memory, so captured graphs see them (tested on the GPU).

@@ -9,8 +9,10 @@ earlier timestep, skipping the first steps.
 
 Exact against the pipeline with the same seed: the request's CPU generator draws in the
 pipeline's order (the template's latent sample when the UNet has 4 channels or strength < 1, the
-noise, the masked template's latent sample, then the sampler's own draws), and each request
-steps diffusers' own scheduler (its begin index at the first step kept), never a vectorized plan.
+noise, the masked template's latent sample, then the sampler's own draws). A request steps with a
+vectorized sampler plan from the step strength starts at (samplers.py: batched with other
+requests, no host sync; the blend's add_noise too), or, where the scheduler cannot be vectorized,
+diffusers' own scheduler with its begin index set.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch
 
 from backends.core.engine import noise
 from backends.core.engine.requests import DenoiseJob, EditInputs, RequestState
+from backends.core.engine.samplers import SamplerPlan, add_noise, vectorizable
 from backends.core.engine.template_stream import StreamedActivations
 from backends.core.engine.workflows.txt2img import Txt2Img
 from backends.core.request.params import InvalidInput
@@ -91,23 +94,31 @@ class Inpaint(Txt2Img):
                              f"not {channels}")
         self.check_text(job)
         self._check_edit(edit, self.latent_shape(p))
-        sched = m.schedulers.fresh(p.scheduler, p.steps)
+        sched = m.schedulers.shared(p.scheduler, p.steps)
+        vectorized = vectorizable(sched)  # else diffusers steps the request's own copy
+        if not vectorized:
+            sched = m.schedulers.fresh(p.scheduler, p.steps)
         # diffusers' get_timesteps: the first steps that strength leaves out are skipped.
         t_start = max(p.steps - min(int(p.steps * edit.strength), p.steps), 0)
         timesteps = sched.timesteps[t_start * sched.order:]
         if len(timesteps) < 1:
             raise InvalidInput("strength", f"{edit.strength} leaves no step of {p.steps}")
-        if hasattr(sched, "set_begin_index"):
-            sched.set_begin_index(t_start * sched.order)
         generator = torch.Generator("cpu").manual_seed(p.seed)
         full = edit.strength == 1.0
         image_latents = self._sample(edit.image_mean, edit.image_std, edit.scaling_factor, generator) \
             if channels == 4 or not full else None
         drawn = noise.randn_like_diffusers(edit.image_mean.shape, generator, m.device, m.dtype)
-        latents = drawn * sched.init_noise_sigma if full else sched.add_noise(image_latents, drawn, timesteps[:1])
+        if vectorized:  # the plan reads the shared scheduler; nothing steps it
+            plan, step_kwargs = SamplerPlan.from_scheduler(sched, p.steps, generator, start=t_start), {}
+            latents = drawn * sched.init_noise_sigma if full else add_noise(image_latents, drawn, plan, 0)
+        else:
+            plan, step_kwargs = None, self.step_kwargs(sched, generator)
+            if hasattr(sched, "set_begin_index"):
+                sched.set_begin_index(t_start * sched.order)
+            latents = drawn * sched.init_noise_sigma if full else sched.add_noise(image_latents, drawn, timesteps[:1])
         masked_latents = self._sample(edit.masked_mean, edit.masked_std, edit.scaling_factor, generator)
         mask = to_device(torch.from_numpy(edit.mask), m.device).to(m.dtype)
-        state = self.state(job, sched, timesteps, latents, self.step_kwargs(sched, generator), None, cls=InpaintState,
+        state = self.state(job, sched, timesteps, latents, step_kwargs, plan, cls=InpaintState,
                            image_latents=image_latents, noise=drawn, mask=mask, masked_latents=masked_latents)
         if edit.template is not None and m.token_subsets:
             state.template_key = template_key(job, state.rows)
@@ -217,6 +228,8 @@ class Inpaint(Txt2Img):
             if s.job.request_id in failed:
                 continue
             proper = s.image_latents
-            if s.index < len(s.timesteps) - 1:
+            if s.index < len(s.timesteps) - 1 and s.plan is not None:
+                proper = add_noise(proper, s.noise, s.plan, s.index + 1)
+            elif s.index < len(s.timesteps) - 1:
                 proper = s.scheduler.add_noise(proper, s.noise, s.timesteps[s.index + 1:s.index + 2])
             s.latents = (1 - s.mask) * proper + s.mask * s.latents
