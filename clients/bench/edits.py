@@ -372,15 +372,15 @@ def markdown(results: dict) -> str:
                      f"({_fmt(row.get('masked_psnr_median'), ' dB', 2)}) | "
                      f"{_fmt(eager.get('latency', {}).get(ratio, {}).get('p50_s'))} | "
                      f"{_fmt(compiled.get('latency', {}).get(ratio, {}).get('p50_s'))} |")
-    stages = {ratio: row["stages_p50_s"] for ratio, row in results["latency"].items() if row.get("stages_p50_s")}
+    stages = [(row["mask_ratio"], row["stages_p50_s"]) for row in results["latency"].values() if "stages_p50_s" in row]
     if stages:
-        names = sorted({k for paths in stages.values() for runs in paths.values() for k in runs})
+        names = sorted({k for _, paths in stages for runs in paths.values() for k in runs})
         lines += ["", "## Where an edit's seconds go (p50 per stage, as the responses report them)", "",
                   "| mask | path | " + " | ".join(n.removesuffix("_s") for n in names) + " |",
                   "| --- | --- | " + " | ".join("---" for _ in names) + " |"]
-        for ratio, paths in stages.items():
+        for ratio, paths in stages:
             for path, runs in paths.items():
-                lines.append(f"| {float(ratio):.2f} | {path} | " + " | ".join(_fmt(runs.get(n)) for n in names) + " |")
+                lines.append(f"| {ratio:.2f} | {path} | " + " | ".join(_fmt(runs.get(n)) for n in names) + " |")
     lines += ["", f"## Throughput ({results['throughput_steps']} steps, masks around a mean of {TRACE_MEAN_RATIO})", "",
               "| concurrency | exact | reusing | speed-up | diffusers eager (one batch) | diffusers compiled |",
               "| --- | --- | --- | --- | --- | --- |"]
