@@ -147,8 +147,9 @@ def parser() -> argparse.ArgumentParser:
                      help="template edits that reuse a recording also run the ResNet blocks on their mask's box "
                           "(approximate; steps that run eager only: a fast runtime's reusing graphs run them whole)")
     exp.add_argument("--warmup-template-edits", action="store_true",
-                     help="also capture (compiled: compile) template edits' reusing steps at the warm-up sizes; "
-                          "without it, compiled's reusing steps run graphs of the eager modules")
+                     help="also capture template edits' reusing steps at the warm-up sizes, every row bucket and "
+                          "token share (compiled: after compiling their halves, minutes); without it, compiled's "
+                          "reusing steps run graphs of the eager modules")
     exp.add_argument("--vae-attention", choices=("fp32", "fp16", "bf16"), default=None,
                      help="precision of the VAE's attention product: fp32 is diffusers' exact upcast VAE "
                           "(default: bf16 on a fast runtime, fp32 on eager)")

@@ -65,8 +65,9 @@ class RuntimeConfig:
     # halves under `compiled` where warmup_template_edits compiled them (or misses capture), else
     # of the eager modules; off: such steps run eager.
     subset_graphs: bool = True
-    # Also capture a reusing step's graphs at warmup_sizes; under `compiled`, compile the reusing
-    # halves there (one compile per size, dynamic in rows and token share: minutes for SDXL).
+    # Also capture reusing steps' graphs at warmup_sizes, every row bucket and token share (a
+    # fraction of a second each); under `compiled`, compile the reusing halves there first (one
+    # compile per size, dynamic in rows and share: minutes for SDXL).
     warmup_template_edits: bool = False
     # Template edits' reusing rows also run the ResNet blocks on their mask's box, the rest from the
     # recording (runtime/conv_subsets.py): approximate beyond the transformer blocks' reuse, opt-in

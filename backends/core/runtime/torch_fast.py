@@ -236,11 +236,12 @@ class FastUNetRuntime:
                 self._capture_decoder(bucket, False, force=True)
                 if with_residuals:
                     self._capture_decoder(bucket, True, force=True)
-            if edits:  # (compiled: one compile, dynamic in rows and share, serves every reusing bucket)
-                rows = self.config.row_buckets[0]
-                batch = _resized(template, rows, h, w)
-                self._warm_edits.add(self._size(self._key(batch, rows)))
-                self._capture_subsets(batch, rows, GRAPH_SHARES[0], None)
+            if edits:  # every row bucket and share (compiled: the first compiles, dynamic in both, the rest capture)
+                for rows in self.config.row_buckets:
+                    batch = _resized(template, rows, h, w)
+                    self._warm_edits.add(self._size(self._key(batch, rows)))
+                    for share in GRAPH_SHARES:
+                        self._capture_subsets(batch, rows, share, None)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
         self.stats.warmup_s += seconds
