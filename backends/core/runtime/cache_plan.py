@@ -71,11 +71,13 @@ def plan_cache_use(costs: Sequence[BlockCost], lead_s: float = 0.0) -> CachePlan
 class StreamPlans:
     """A step's blocks that take the recording where it has been loaded (`now`), and those to load
     for streamed rows: for this step when nothing was loaded for it yet (`first`: no lead), and for
-    the next step, issued now (`ahead`)."""
+    the next step, issued now (`ahead`). None: every block, as a layout without a plan says
+    (TokenLayout.cached), so that such steps share the runtimes' plan-free forms (under `compiled`,
+    its compiled reusing graphs, runtime/torch_fast.py)."""
 
-    now: frozenset[int]
-    first: frozenset[int]
-    ahead: frozenset[int]
+    now: frozenset[int] | None
+    first: frozenset[int] | None
+    ahead: frozenset[int] | None
 
 
 @dataclass(frozen=True)
@@ -109,7 +111,10 @@ class BlockProfile:
         return StreamPlans(self._indices(resident), self._indices(plan_cache_use(costs)),
                            self._indices(plan_cache_use(costs, lead_s=resident.latency_s)))
 
-    def _indices(self, plan: CachePlan) -> frozenset[int]:
+    def _indices(self, plan: CachePlan) -> frozenset[int] | None:
+        """The blocks `plan` takes the recording in; None where it takes it in every one."""
+        if all(plan.use):
+            return None
         return frozenset(b.index for b, used in zip(self.blocks, plan.use) if used)
 
     def write(self, folder: str | Path) -> Path:
