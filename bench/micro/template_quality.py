@@ -70,7 +70,8 @@ def main() -> None:
     where = Placement(args.device if args.device == "cpu" else "cuda:0", dtype)
     first = "denoiser" if args.device == "cpu" else "denoiser_gpu0"
     folder = repo / first / "1"
-    latent = args.size // 8
+    vae = EditEncoder(repo / "vae_decoder" / "1", where)
+    latent = args.size // vae.vae_scale_factor
     # Warmed as a server warms its size (compiled: its exact and reusing halves compile here, not in the timings)
     config = RuntimeConfig(kind=args.runtime, conv_subsets=args.conv_subsets,
                            warmup_sizes=((latent, latent),) if args.runtime != "eager" else (),
@@ -80,7 +81,6 @@ def main() -> None:
     warm_up(engine, config)
     encoder = PromptEncoder(repo / "text_encoder" / "1", where)
     decoder = LatentDecoder(repo / "vae_decoder" / "1", where)
-    vae = EditEncoder(repo / "vae_decoder" / "1", where)
     limits = Limits(max_width=4096, max_height=4096)
     template = np.random.default_rng(1234).integers(0, 256, (args.size, args.size, 3), dtype=np.uint8)
 

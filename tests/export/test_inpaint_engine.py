@@ -77,11 +77,11 @@ def test_inpainting_matches_diffusers(setup, scheduler, strength, sampler, monke
     """`vectorized`: the request's sampler plan from the step strength starts at (the blend's
     add_noise from its tables); `diffusers`: the fallback for a scheduler that has no plan, its
     begin index set."""
-    from backends.core.engine.workflows import inpaint
+    from backends.core.engine.workflows import txt2img
 
     engine, encoder, pipe, image, mask = setup
     if sampler == "diffusers":
-        monkeypatch.setattr(inpaint, "vectorizable", lambda sched: False)
+        monkeypatch.setattr(txt2img, "vectorizable", lambda sched: False)  # (Txt2Img.sampler decides)
     job = edit_job(setup, "edit", scheduler, strength, seed=3)
     state = engine.start(job)
     assert (state.plan is not None) == (sampler == "vectorized")

@@ -282,11 +282,7 @@ class FastUNetRuntime:
         bucket.subsets, bucket.eager_halves = subsets, eager_halves
         self._load(batch, bucket)
         args = (bucket.sample, bucket.timestep, bucket.text, bucket.pooled, bucket.time_ids)
-        fn, _, compiled = self._halves(bucket)
-        with self._layout(bucket):
-            if compiled and subsets is not None:  # the subsets' buffers: the compile reads them, not makes them
-                self.eager.encoder(*args)
-            bucket.encoder, bucket.enc_out = capture(fn, args, self.pool, compiled, WARMUP_RUNS)
+        bucket.encoder, bucket.enc_out = self._capture_half(bucket, 0, args)
         self.buckets[key or self._key(batch, rows)] = bucket
         self._captured(start, "encoder" if subsets is None else f"encoder (token share {subsets.share:g})", rows)
         return bucket
@@ -297,6 +293,16 @@ class FastUNetRuntime:
         if bucket.eager_halves:
             return self.eager.encoder, self.eager.decoder, False
         return self.enc_fn, self.dec_fn, self.caps.compiled
+
+    def _capture_half(self, bucket: _Bucket, half: int, args: tuple) -> tuple:
+        """(graph, static outputs) of `bucket`'s encoder (`half` 0) or decoder (1) on `args`, under
+        its token layout. A compiled reusing half first runs eager: the static subsets' buffers are
+        made there, so that the compile reads them rather than makes them."""
+        *halves, compiled = self._halves(bucket)
+        with self._layout(bucket):
+            if compiled and bucket.subsets is not None:
+                (self.eager.encoder, self.eager.decoder)[half](*args)
+            return capture(halves[half], args, self.pool, compiled, WARMUP_RUNS)
 
     def _layout(self, bucket: _Bucket):
         """While capturing a reusing step's bucket: its static token subsets seen by the blocks."""
@@ -353,11 +359,7 @@ class FastUNetRuntime:
         emb, mid, skips = bucket.enc_out
         buffers = ([torch.zeros_like(s) for s in skips], torch.zeros_like(mid)) if with_res else None
         args = (emb, mid, skips, bucket.text, *(buffers or (None, None)))
-        _, fn, compiled = self._halves(bucket)
-        with self._layout(bucket):
-            if compiled and bucket.subsets is not None:
-                self.eager.decoder(*args)
-            graph, noise = capture(fn, args, self.pool, compiled, WARMUP_RUNS)
+        graph, noise = self._capture_half(bucket, 1, args)
         bucket.decoders[with_res] = (graph, noise, buffers)
         self._captured(start, "decoder (with residuals)" if with_res else "decoder", bucket.rows)
         return True

@@ -27,7 +27,7 @@ import torch
 
 from backends.core.engine import noise
 from backends.core.engine.requests import DenoiseJob, EditInputs, RequestState
-from backends.core.engine.samplers import SamplerPlan, add_noise, vectorizable
+from backends.core.engine.samplers import add_noise
 from backends.core.engine.template_stream import StreamedActivations
 from backends.core.engine.workflows.txt2img import Txt2Img
 from backends.core.request.params import InvalidInput
@@ -94,28 +94,23 @@ class Inpaint(Txt2Img):
                              f"not {channels}")
         self.check_text(job)
         self._check_edit(edit, self.latent_shape(p))
-        sched = m.schedulers.shared(p.scheduler, p.steps)
-        vectorized = vectorizable(sched)  # else diffusers steps the request's own copy
-        if not vectorized:
-            sched = m.schedulers.fresh(p.scheduler, p.steps)
         # diffusers' get_timesteps: the first steps that strength leaves out are skipped.
         t_start = max(p.steps - min(int(p.steps * edit.strength), p.steps), 0)
-        timesteps = sched.timesteps[t_start * sched.order:]
-        if len(timesteps) < 1:
+        if t_start >= p.steps:
             raise InvalidInput("strength", f"{edit.strength} leaves no step of {p.steps}")
         generator = torch.Generator("cpu").manual_seed(p.seed)
+        sched, plan, step_kwargs = self.sampler(p, generator, begin=t_start)
+        timesteps = sched.timesteps[t_start * sched.order:]
         full = edit.strength == 1.0
         image_latents = self._sample(edit.image_mean, edit.image_std, edit.scaling_factor, generator) \
             if channels == 4 or not full else None
         drawn = noise.randn_like_diffusers(edit.image_mean.shape, generator, m.device, m.dtype)
-        if vectorized:  # the plan reads the shared scheduler; nothing steps it
-            plan, step_kwargs = SamplerPlan.from_scheduler(sched, p.steps, generator, start=t_start), {}
-            latents = drawn * sched.init_noise_sigma if full else add_noise(image_latents, drawn, plan, 0)
+        if full:
+            latents = drawn * sched.init_noise_sigma
+        elif plan is not None:
+            latents = add_noise(image_latents, drawn, plan, 0)
         else:
-            plan, step_kwargs = None, self.step_kwargs(sched, generator)
-            if hasattr(sched, "set_begin_index"):
-                sched.set_begin_index(t_start * sched.order)
-            latents = drawn * sched.init_noise_sigma if full else sched.add_noise(image_latents, drawn, timesteps[:1])
+            latents = sched.add_noise(image_latents, drawn, timesteps[:1])
         masked_latents = self._sample(edit.masked_mean, edit.masked_std, edit.scaling_factor, generator)
         mask = to_device(torch.from_numpy(edit.mask), m.device).to(m.dtype)
         state = self.state(job, sched, timesteps, latents, step_kwargs, plan, cls=InpaintState,
@@ -228,8 +223,7 @@ class Inpaint(Txt2Img):
             if s.job.request_id in failed:
                 continue
             proper = s.image_latents
-            if s.index < len(s.timesteps) - 1 and s.plan is not None:
-                proper = add_noise(proper, s.noise, s.plan, s.index + 1)
-            elif s.index < len(s.timesteps) - 1:
-                proper = s.scheduler.add_noise(proper, s.noise, s.timesteps[s.index + 1:s.index + 2])
+            if s.index < len(s.timesteps) - 1:
+                proper = add_noise(proper, s.noise, s.plan, s.index + 1) if s.plan is not None \
+                    else s.scheduler.add_noise(proper, s.noise, s.timesteps[s.index + 1:s.index + 2])
             s.latents = (1 - s.mask) * proper + s.mask * s.latents

@@ -41,17 +41,25 @@ class Txt2Img:
             raise InvalidInput("image", f"this model's UNet takes {m.unet_config.in_channels} input channels (an "
                                         "inpainting UNet): a request needs an image and a mask_image")
         self.check_text(job)
-        sched = m.schedulers.shared(p.scheduler, p.steps)
         generator = torch.Generator("cpu").manual_seed(p.seed)
+        sched, plan, step_kwargs = self.sampler(p, generator)
         h, w = self.latent_shape(p)
         latents = noise.randn_like_diffusers((1, m.unet_config.in_channels, h, w), generator, m.device, m.dtype)
         latents = latents * sched.init_noise_sigma
-        if vectorizable(sched):  # the plan reads the shared scheduler; nothing steps it
-            plan, step_kwargs = SamplerPlan.from_scheduler(sched, p.steps, generator), {}
-        else:  # diffusers steps the request's own copy
-            sched, plan = m.schedulers.fresh(p.scheduler, p.steps), None
-            step_kwargs = self.step_kwargs(sched, generator)
         return self.state(job, sched, sched.timesteps, latents, step_kwargs, plan)
+
+    def sampler(self, params, generator, begin: int | None = None) -> tuple:
+        """(scheduler, plan, step kwargs) of a request: its vectorized plan over the shared
+        scheduler, or (None for a plan) diffusers stepping the request's own copy. `begin`: the
+        schedule's first step the request runs (an edit's strength; diffusers' begin index)."""
+        m = self.model
+        sched = m.schedulers.shared(params.scheduler, params.steps)
+        if vectorizable(sched):  # the plan reads the shared scheduler; nothing steps it
+            return sched, SamplerPlan.from_scheduler(sched, params.steps, generator, start=begin or 0), {}
+        sched = m.schedulers.fresh(params.scheduler, params.steps)
+        if begin is not None and hasattr(sched, "set_begin_index"):
+            sched.set_begin_index(begin * sched.order)
+        return sched, None, self.step_kwargs(sched, generator)
 
     def check_text(self, job: DenoiseJob) -> None:
         """Checked before the request joins a batch: embeddings of another shape would fail the
