@@ -1,10 +1,8 @@
-"""The edit's VAE encoder stage (stages/vae_encoding.py) on the demo's tiny VAE (CPU fp32): a
+"""The edit's VAE encoder stage (stages/vae_encoding.py) on the tiny pipeline's VAE (CPU fp32): a
 template's distribution kept and reused bit for bit, the masked template encoded only for a UNet
 that reads it, and the kept templates within their byte budget."""
 
 from __future__ import annotations
-
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +10,6 @@ import pytest
 from backends.core.runtime.placement import Placement
 from backends.core.stages.vae_encoding import EditEncoder
 
-VAE = Path(__file__).resolve().parents[2] / "model_repository" / "vae_decoder" / "1"
 SIZE = 64
 
 
@@ -25,12 +22,12 @@ def images(seed: int):
 
 
 @pytest.fixture(scope="module")
-def fresh():
-    return EditEncoder(VAE, Placement())  # encodes every time: no template is kept yet
+def fresh(tiny_model):
+    return EditEncoder(tiny_model, Placement())  # encodes every time: no template is kept yet
 
 
-def test_a_template_is_encoded_once_for_every_edit_of_it(fresh):
-    encoder = EditEncoder(VAE, Placement())
+def test_a_template_is_encoded_once_for_every_edit_of_it(fresh, tiny_model):
+    encoder = EditEncoder(tiny_model, Placement())
     image, mask = images(0)
     first = encoder.encode(image, mask)
     _, other_mask = images(1)
@@ -44,9 +41,9 @@ def test_a_template_is_encoded_once_for_every_edit_of_it(fresh):
     assert not np.array_equal(second["masked_mean"], first["masked_mean"])  # the mask's own
 
 
-def test_a_unet_of_four_channels_gets_no_masked_template(fresh):
+def test_a_unet_of_four_channels_gets_no_masked_template(fresh, tiny_model):
     image, mask = images(2)
-    four = EditEncoder(VAE, Placement(), masked_image=False).encode(image, mask)
+    four = EditEncoder(tiny_model, Placement(), masked_image=False).encode(image, mask)
     fresh.templates.clear()
     nine = fresh.encode(image, mask)
     assert np.array_equal(four["image_mean"], nine["image_mean"]) and np.array_equal(four["mask"], nine["mask"])
@@ -54,8 +51,8 @@ def test_a_unet_of_four_channels_gets_no_masked_template(fresh):
         assert four[name].shape == nine[name].shape and not four[name].any() and nine[name].any()
 
 
-def test_kept_templates_stay_within_their_bytes():
-    encoder = EditEncoder(VAE, Placement())
+def test_kept_templates_stay_within_their_bytes(tiny_model):
+    encoder = EditEncoder(tiny_model, Placement())
     side = SIZE // encoder.vae_scale_factor
     encoder.template_bytes = 2 * (2 * encoder.vae.config.latent_channels * side * side * 4)  # two: mean, std in fp32
     for seed in (3, 4, 5):
