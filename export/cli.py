@@ -145,7 +145,7 @@ def parser() -> argparse.ArgumentParser:
     exp.add_argument("--fused-kernels", action="store_true", help="plugins/: fused GroupNorm+SiLU and GEGLU kernels")
     exp.add_argument("--conv-subsets", action="store_true",
                      help="template edits that reuse a recording also run the ResNet blocks on their mask's box "
-                          "(approximate; steps that run eager only: a fast runtime's reusing graphs run them whole)")
+                          "(approximate; as graphs too, a pair per box size, captured at first use)")
     exp.add_argument("--warmup-template-edits", action="store_true",
                      help="also capture template edits' reusing steps at the warm-up sizes, every row bucket and "
                           "token share (compiled: after compiling their halves, minutes); without it, compiled's "

@@ -11,14 +11,15 @@ shows under its own name. Each category's share is printed beside the FLOP floor
 
 `+reuseR` (graphs or compiled) profiles a template edit's reusing step instead, timed beside the
 same runtime's exact step (`exact_step_ms`; the reusing forms are warmed up with the runtime): every
-row reuses a recording (random values: only shapes and counts matter here) and computes the tokens
-of a centered mask of ratio R (runtime/token_subsets.py), as the runtime replays it (the static
-token subsets' CUDA graphs, their buffers filled before each replay) and unreplayed (the functions
-those graphs captured, on the same static subsets): what a reusing step costs and where its time
-goes.
+row reuses a recording of the step itself (recorded eagerly first) and computes the tokens of a
+centered mask of ratio R (runtime/token_subsets.py), as the runtime replays it (the static token
+subsets' CUDA graphs, their buffers filled before each replay) and unreplayed (the functions those
+graphs captured, on the same static subsets): what a reusing step costs and where its time goes.
+`+boxes` runs the ResNet blocks of the reusing step on the mask's box (RuntimeConfig.conv_subsets).
 
     python3 -m bench.micro.step_profile --work /tmp/easel-micro --out $OUT/step_profile.json --kinds graphs+fused,compiled
     python3 -m bench.micro.step_profile --kinds compiled,graphs,compiled+reuse0.05,compiled+reuse0.2
+    python3 -m bench.micro.step_profile --kinds compiled+cl+reuse0.2,compiled+cl+reuse0.2+boxes
 """
 
 from __future__ import annotations
@@ -132,26 +133,27 @@ def plot(report_path: Path) -> Path:
     return png
 
 
-def reusing_layout(unet, latent: int, rows: int, ratio: float):
-    """A step's token layout where each of `rows` rows reuses a recording of random values at a
-    centered mask of `ratio` (the latents `latent` square): every transformer block's output for
-    step 0."""
+def reusing_layout(eager, batch, ratio: float):
+    """A step's token layout where each row of `batch` reuses a recording of that very step (made
+    by `eager`, the ResNet blocks' too where it runs them on boxes) at a centered mask of `ratio`,
+    and the share of tokens it computes."""
     import torch
 
-    from backends.core.runtime.token_subsets import (REUSE, TemplateActivations, TokenLayout, TokenRow, computed_tokens,
-                                                     token_share)
-    from export.profile_template import centered_mask, ordered_blocks
+    from backends.core.runtime.conv_subsets import masked_boxes
+    from backends.core.runtime.token_subsets import (RECORD, REUSE, TemplateActivations, TokenLayout, TokenRow,
+                                                     computed_tokens, token_share)
+    from export.profile_template import centered_mask
 
-    param = next(unet.parameters())
-    record = TemplateActivations(rows, complete=True)
-    for block, level in ordered_blocks(unet):
-        side = latent >> level
-        out = torch.randn(side * side, block.norm1.normalized_shape[0], device=param.device, dtype=param.dtype)
-        for r in range(rows):
-            record.put(0, block._subset_index, r, out)
-    mask = torch.from_numpy(centered_mask(latent, ratio) / 255.0).to(param.device)[None, None]
-    computed = computed_tokens(mask, len(unet.config.block_out_channels))
-    return TokenLayout(tuple(TokenRow(REUSE, record, 0, r, computed) for r in range(rows))), token_share(computed)
+    record = TemplateActivations(batch.rows, complete=True)
+    batch.tokens = TokenLayout(tuple(TokenRow(RECORD, record, 0, r) for r in range(batch.rows)))
+    eager.decode(batch, eager.encode(batch), None)
+    latent = batch.latent_shape[0]
+    mask = torch.from_numpy(centered_mask(latent, ratio) / 255.0)[None, None]
+    levels = len(eager.weights_module.config.block_out_channels)
+    computed = computed_tokens(mask.to(batch.sample.device), levels)
+    boxes = masked_boxes(mask, levels)
+    return TokenLayout(tuple(TokenRow(REUSE, record, 0, r, computed, boxes) for r in range(batch.rows))), \
+        token_share(computed)
 
 
 def main() -> None:
@@ -161,7 +163,8 @@ def main() -> None:
                    help="eager, graphs or compiled, each optionally +cl (channels_last), +fused, +cudnn (attention), "
                         "+unpacked (no packed attention projections), +lt (cuBLASLt), +bench (cudnn.benchmark: "
                         "convolution algorithms timed, not guessed), +fp8 (RuntimeConfig.fp8: every part), +reuseR "
-                        "(a template edit's reusing step at mask ratio R, graphs and compiled), and for "
+                        "(a template edit's reusing step at mask ratio R, graphs and compiled), +boxes (with +reuseR: "
+                        "the ResNet blocks on the mask's box, RuntimeConfig.conv_subsets), and for "
                         "compiled inductor's "
                         + ", ".join(f"+{k} ({v})" for k, v in INDUCTOR_OPTIONS.items()))
     p.add_argument("--iters", type=int, default=10)
@@ -219,7 +222,8 @@ def main() -> None:
                                                            fused_kernels="fused" in options,
                                                            packed_attention="unpacked" not in options,
                                                            fp8=FP8_PARTS if "fp8" in options else (),
-                                                           warmup_template_edits=reuse is not None),
+                                                           warmup_template_edits=reuse is not None,
+                                                           conv_subsets="boxes" in options),
                                       cache_root=args.work / "cache", fp8_calibration=calibration)
             start = time.perf_counter()
             runtime.warmup(template, [(latent, latent)])
@@ -233,8 +237,7 @@ def main() -> None:
             if reuse is not None:  # beside the same runtime's exact step (same compile, same run)
                 exact = gpu_ms(lambda: runtime.decode(batch, runtime.encode(batch), None), args.iters)
                 entry.update(exact_step_ms=statistics.median(exact), exact_step_ms_all=exact)
-                eager.subset_context()  # (the blocks' indices, which the recording is keyed by)
-                batch.tokens, entry["token_share"] = reusing_layout(eager.weights_module, latent, args.rows, reuse)
+                batch.tokens, entry["token_share"] = reusing_layout(eager, batch, reuse)
             step = gpu_ms(lambda: runtime.decode(batch, runtime.encode(batch), None), args.iters)
             text = runtime.text_input(batch) if kind != "eager" else batch.text
 

@@ -22,11 +22,14 @@ from tests.gpu.test_fast_runtime import eager_and_graphs_denoisers, no_tf32, rel
 pytestmark = pytest.mark.gpu
 
 
-@pytest.mark.parametrize("kind,streamed", [("graphs", False), ("graphs", True), ("compiled", False)])
-def test_a_reused_template_edit_on_the_fast_runtime_matches_the_exact_edit(repo, kind, streamed):  # noqa: F811
+@pytest.mark.parametrize("kind,streamed,convs", [("graphs", False, False), ("graphs", True, False),
+                                                ("compiled", False, False), ("graphs", False, True),
+                                                ("compiled", False, True)])
+def test_a_reused_template_edit_on_the_fast_runtime_matches_the_exact_edit(repo, kind, streamed, convs):  # noqa: F811
     """`streamed`: the recording is over the device's budget, kept in pinned host memory and
     copied to the device a step ahead on the load stream (engine/template_stream.py).
-    `compiled`: the reusing steps' graphs are of the compiled halves, compiled at warmup."""
+    `compiled`: the reusing steps' graphs are of the compiled halves, compiled at warmup.
+    `convs`: the ResNet blocks on the mask's box too (RuntimeConfig.conv_subsets), in the graphs."""
     import numpy as np
 
     from backends.core.engine.denoiser import TorchDenoiser
@@ -34,7 +37,7 @@ def test_a_reused_template_edit_on_the_fast_runtime_matches_the_exact_edit(repo,
 
     where = Placement("cuda:0", "fp32")
     eager, fast, fast_runtime, encoder = eager_and_graphs_denoisers(
-        repo, RuntimeConfig(kind=kind, warmup_template_edits=kind == "compiled"))
+        repo, RuntimeConfig(kind=kind, warmup_template_edits=kind == "compiled", conv_subsets=convs))
     if kind == "compiled":  # as a server warms up at load (64 px: an 8 x 8 latent)
         fast_runtime.warmup(template_batch(fast_runtime.weights_module, torch.device("cuda:0"), torch.float32),
                             [(8, 8)])
@@ -70,6 +73,9 @@ def test_a_reused_template_edit_on_the_fast_runtime_matches_the_exact_edit(repo,
     assert reusing and all(fast_runtime._halves(b)[2] == (kind == "compiled") for b in reusing)
     context = fast_runtime.eager.subsets
     assert 0 < context.computed_tokens < context.all_tokens
+    assert all((b.subsets.box is not None) == convs for b in reusing)
+    if convs:
+        assert 0 < context.conv_computed < context.conv_all
     again, use = run(fast, "door")  # the captured graphs again, refilled
     assert use == "reused" and rel_err(again, want) <= 1e-4
     if streamed:

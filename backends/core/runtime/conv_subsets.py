@@ -21,12 +21,19 @@ with the recorded statistics as they are, the tiny model lost 1.9-7.3 dB more
 prompt's edit differs, like the transformer blocks' reuse, in what the recording stands in for.
 
 The rows of a step share one box (the union of theirs: one convolution call each) and each keeps
-its own part of it, so that an edit's result does not depend on the rows beside it. Eager only:
-the static forms CUDA graphs capture (StaticSubsets) run these blocks whole, and a runtime whose
-reusing steps are such graphs records nothing for them (SubsetContext.convs).
+its own part of it, so that an edit's result does not depend on the rows beside it.
+
+The static form that CUDA graphs capture (`static_region`, served by token_subsets.StaticSubsets)
+cannot cut a box at host offsets: each row's box is a fixed-size window (`box_side`: a fraction of
+the grid's side from `BOX_SIDES`, one per height and width, part of the graph's key) placed on the
+device from the row's own computed-token indices, which the static form already holds. Positions
+of the window outside the row's own box keep the recording, so a row gets what the eager form
+gives it alone.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -39,6 +46,9 @@ MARGIN = 1
 KEY_BASE = 1 << 16
 
 Box = tuple[int, int, int, int]  # (top, bottom, left, right) on a token grid, end-exclusive
+# The static form's box sides, as fractions of a grid's side (box_side): a graph pair per height
+# and width of them (per row bucket and token share), captured at first use.
+BOX_SIDES = tuple(n / 8 for n in range(1, 9))
 
 
 def keys(index: int) -> tuple[int, int, int]:
@@ -100,10 +110,14 @@ def corrected(stats: torch.Tensor, maps: torch.Tensor, h: torch.Tensor, window: 
     """norm2's statistics ([rows, 2, groups]) of an h that is the recorded one (`stats`, `maps`:
     whole's) except on `window` of the grid, where it is `h` ([rows, C, window])."""
     top, bottom, left, right = window
-    groups = stats.shape[-1]
+    new = _deviation_sums(h, stats[:, 0], stats.shape[-1]).sum((-1, -2))
+    return _swapped(stats, new, maps[..., top:bottom, left:right].sum((-1, -2)), positions)
+
+
+def _swapped(stats: torch.Tensor, new: torch.Tensor, old: torch.Tensor, positions: int) -> torch.Tensor:
+    """norm2's statistics ([rows, 2, groups]) with a window's recorded deviation sums `old`
+    ([rows, 2, groups]) replaced by `new`; `positions`: a group's elements in the whole grid."""
     mean = stats[:, 0]
-    new = _deviation_sums(h, mean, groups).sum((-1, -2))
-    old = maps[..., top:bottom, left:right].sum((-1, -2))
     shift = (new[:, 0] - old[:, 0]) / positions
     var = stats[:, 1] + (new[:, 1] - old[:, 1]) / positions - shift * shift
     return torch.stack([mean + shift, var.clamp_min(0.0)], dim=1)
@@ -157,6 +171,112 @@ def widened(boxes: list[Box], height: int, width: int) -> Box:
     """The union of `boxes`, widened by MARGIN and kept on the grid."""
     return (max(0, min(b[0] for b in boxes) - MARGIN), min(height, max(b[1] for b in boxes) + MARGIN),
             max(0, min(b[2] for b in boxes) - MARGIN), min(width, max(b[3] for b in boxes) + MARGIN))
+
+
+def box_side(fraction: float, side: int) -> int:
+    """The static form's box side on a grid side of `side` tokens: `fraction` of it (rounded up)
+    with MARGIN on either side, within the grid."""
+    return min(side, math.ceil(fraction * side - 1e-6) + 2 * MARGIN)
+
+
+def graph_box(layout, height: int, width: int) -> tuple[float, float] | None:
+    """For a step whose rows all reuse (token_subsets.graph_share), the smallest (height, width)
+    fractions of BOX_SIDES whose boxes hold, at every grid of a latent of `height` x `width`, each
+    row's widened box; None where a row's recording lacks the ResNet blocks (they run whole)."""
+    grids = {(height >> i) * (width >> i): (height >> i, width >> i) for i in range(8) if height >> i and width >> i}
+    need = [0, 0]  # the fraction each dimension needs
+    for r in layout.rows:
+        if r.boxes is None or not r.activations.holds(r.step, KEY_BASE):
+            return None
+        for tokens, box in r.boxes.items():
+            if box is None:
+                return None
+            rows, cols = grids[tokens]
+            top, bottom, left, right = widened([box], rows, cols)
+            for d, (extent, side) in enumerate(((bottom - top, rows), (right - left, cols))):
+                need[d] = max(need[d], next(f for f in BOX_SIDES if box_side(f, side) >= extent))
+    return need[0], need[1]
+
+
+def static_region(block, x: torch.Tensor, temb: torch.Tensor, tokens: torch.Tensor, spans: tuple,
+                  recorded: torch.Tensor, norm2_stats: torch.Tensor, norm2_maps: torch.Tensor) -> torch.Tensor:
+    """region() in the static form: what each row gets alone, from fixed-size tensors and no host
+    value. `tokens` ([rows, n]: each row's computed tokens at this grid, padded by repeating) gives
+    each row's own box; `spans` (arange(-2, side + 2) of the box's height and of its width) the
+    window's size, which is placed within the grid over that box."""
+    rows, channels, height, width = x.shape
+    span_h, span_w = spans
+    bh, bw = span_h.shape[0] - 4, span_w.shape[0] - 4
+    r, c = tokens // width, tokens % width
+    own_top, own_bottom = (r.amin(1) - MARGIN).clamp_min(0), (r.amax(1) + 1 + MARGIN).clamp_max(height)
+    own_left, own_right = (c.amin(1) - MARGIN).clamp_min(0), (c.amax(1) + 1 + MARGIN).clamp_max(width)
+    grid_r = own_top.clamp_max(height - bh)[:, None] + span_h  # [rows, bh + 4]: the box widened by 2
+    grid_c = own_left.clamp_max(width - bw)[:, None] + span_w
+
+    def within(at: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:  # [rows, n]: lo <= at < hi
+        return (at >= lo[:, None]) & (at < hi[:, None])
+
+    def places(pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The box widened by `pad`: its grid rows, columns, flat indices (clamped) and which are on the grid."""
+        gr, gc = grid_r[:, 2 - pad:grid_r.shape[1] - 2 + pad], grid_c[:, 2 - pad:grid_c.shape[1] - 2 + pad]
+        flat = (gr.clamp(0, height - 1)[:, :, None] * width + gc.clamp(0, width - 1)[:, None, :]).reshape(rows, -1)
+        on = ((gr >= 0) & (gr < height))[:, :, None] & ((gc >= 0) & (gc < width))[:, None, :]
+        return gr, gc, flat, on
+
+    _, _, flat, on = places(2)
+    cut = _gather(x, flat).reshape(rows, channels, bh + 4, bw + 4)
+    a1 = block.nonlinearity(_normed(cut, block.norm1, _stats(x, block.norm1.num_groups))) * on[:, None].to(x.dtype)
+    h = F.conv2d(a1, block.conv1.weight, block.conv1.bias)  # the box widened by 1
+    t = temb if block.skip_time_act else block.nonlinearity(temb)
+    h = h + block.time_emb_proj(t)[:, :, None, None]
+    # norm2's statistics corrected on the row's own window (its box widened by 1, on the grid)
+    gr, gc, flat, on = places(1)
+    window = (on & within(gr, own_top - 1, own_bottom + 1)[:, :, None]
+              & within(gc, own_left - 1, own_right + 1)[:, None, :])
+    groups = block.norm2.num_groups
+    weight = window[:, None, None].float()
+    new = (_deviation_sums(h, norm2_stats[:, 0], groups) * weight).sum((-1, -2))
+    old = (_gather(norm2_maps.reshape(rows, 2 * groups, height, width), flat)
+           .reshape(rows, 2, groups, bh + 2, bw + 2) * weight).sum((-1, -2))
+    stats = _swapped(norm2_stats, new, old, h.shape[1] // groups * height * width)
+    a2 = block.nonlinearity(_normed(h, block.norm2, stats)) * window[:, None].to(h.dtype)
+    y = F.conv2d(a2, block.conv2.weight, block.conv2.bias)
+    gr, gc, flat, _ = places(0)
+    shortcut = _gather(x, flat).reshape(rows, channels, bh, bw)
+    if block.conv_shortcut is not None:
+        shortcut = block.conv_shortcut(shortcut)
+    y = (shortcut + y) / block.output_scale_factor
+    own = within(gr, own_top, own_bottom)[:, :, None] & within(gc, own_left, own_right)[:, None, :]
+    y = torch.where(own[:, None], y, _gather(recorded, flat).reshape(y.shape))
+    return _scatter(recorded, flat, y)
+
+
+def _channels_last(x: torch.Tensor) -> bool:
+    return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def _gather(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
+    """x [rows, C, H, W] at the flat positions `flat` ([rows, P]): [rows, C, P] (channels_last
+    stays so: each position's channels are read together)."""
+    rows, channels = x.shape[:2]
+    if _channels_last(x):
+        return x.permute(0, 2, 3, 1).reshape(rows, -1, channels).gather(
+            1, flat[:, :, None].expand(-1, -1, channels)).transpose(1, 2)
+    return x.reshape(rows, channels, -1).gather(2, flat[:, None, :].expand(-1, channels, -1))
+
+
+def _scatter(x: torch.Tensor, flat: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """x with `y` ([rows, C, ...], as many positions as `flat`) at the flat positions `flat`
+    (each once), in x's layout."""
+    rows, channels, height, width = x.shape
+    if _channels_last(x):
+        values = y.reshape(rows, channels, -1).transpose(1, 2)
+        out = x.permute(0, 2, 3, 1).reshape(rows, -1, channels).scatter(1, flat[:, :, None].expand(-1, -1, channels),
+                                                                        values)
+        return out.reshape(rows, height, width, channels).permute(0, 3, 1, 2)
+    out = x.reshape(rows, channels, -1).scatter(2, flat[:, None, :].expand(-1, channels, -1),
+                                                y.reshape(rows, channels, -1))
+    return out.reshape(x.shape)
 
 
 def _cut(x: torch.Tensor, window: Box, fn) -> torch.Tensor:

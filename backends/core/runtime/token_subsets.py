@@ -238,9 +238,13 @@ def _subset_resnet_class():
     class SubsetResnet(ResnetBlock2D):
         def forward(self, input_tensor, temb, *args, **kwargs):
             layout = self._subset_context.layout
-            if not isinstance(layout, TokenLayout) or args or kwargs:  # (the static forms run it whole)
+            if args or kwargs:
                 return super().forward(input_tensor, temb, *args, **kwargs)
-            return conv_subsets.run_rows(self, layout, input_tensor, temb)
+            if isinstance(layout, TokenLayout):
+                return conv_subsets.run_rows(self, layout, input_tensor, temb)
+            if isinstance(layout, StaticSubsets) and layout.boxed:
+                return layout.run_resnet(self, input_tensor, temb)
+            return super().forward(input_tensor, temb)  # (a static form without boxes runs it whole)
 
     return SubsetResnet
 
@@ -343,10 +347,12 @@ def share_tokens(share: float, tokens: int) -> int:
 @dataclass
 class RecordedBuffers:
     """What the static forms of one row count and size share: each block's buffer of recorded
-    outputs [rows, tokens, width], and each block's token count (learned at their first run)."""
+    outputs [rows, tokens, width] (and with boxes each ResNet block's, under conv_subsets.keys),
+    each block's token count and each ResNet block's grid (learned at their first run)."""
 
     outputs: dict[int, torch.Tensor] = field(default_factory=dict)
     tokens: dict[int, int] = field(default_factory=dict)
+    grids: dict[int, tuple[int, int]] = field(default_factory=dict)
 
 
 class StaticSubsets:
@@ -354,15 +360,37 @@ class StaticSubsets:
     row's token indices [rows, ceil(share x tokens)] (padded by repeating its last); per block,
     each row's recorded output (`RecordedBuffers`). The buffers are made at the first run (a
     capture's warm-up, eager); then `fill(layout)` copies a step's into them on the stream, and
-    the blocks read nothing else."""
+    the blocks read nothing else. With `box` (conv_subsets.graph_box's fractions) the ResNet
+    blocks run on boxes of those sides (conv_subsets.static_region), else whole."""
 
     def __init__(self, rows: int, share: float, cached: frozenset[int] | None, context: SubsetContext,
-                 buffers: RecordedBuffers):
+                 buffers: RecordedBuffers, box: tuple[float, float] | None = None):
         self.rows, self.share, self.cached, self.context, self.buffers = rows, share, cached, context, buffers
+        # (a flag for the blocks to test: a compile guards on what it reads, and the sides are data)
+        self.box, self.boxed = box, box is not None
         self.indices: dict[int, torch.Tensor] = {}  # tokens -> [rows, n]
+        self.spans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # tokens -> the box's (height, width) spans
 
     def takes(self, block: int) -> bool:
-        return _takes(self.cached, block)
+        """Whether the recording of `block` (an install index, or a ResNet block's key) is read."""
+        from backends.core.runtime.conv_subsets import is_block_key
+
+        return _takes(self.cached, block) if is_block_key(block) else self.box is not None
+
+    def _indices(self, tokens: int, device: torch.device) -> torch.Tensor:
+        idx = self.indices.get(tokens)
+        if idx is None:
+            idx = self.indices[tokens] = _dynamic(torch.zeros((self.rows, share_tokens(self.share, tokens)),
+                                                              dtype=torch.long, device=device), 0, 1)
+        return idx
+
+    def _buffer(self, key: int, like: torch.Tensor, shape: tuple | None = None) -> torch.Tensor:
+        """The recorded buffer of `key`, made at its first run (zeros like `like`, or of `shape` in fp32)."""
+        buf = self.buffers.outputs.get(key)
+        if buf is None:
+            buf = torch.zeros_like(like) if shape is None else torch.zeros(shape, device=like.device)
+            buf = self.buffers.outputs[key] = _dynamic(buf, 0)
+        return buf
 
     def run(self, block, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
         from diffusers.models.attention import BasicTransformerBlock
@@ -371,15 +399,30 @@ class StaticSubsets:
         self.buffers.tokens[index] = tokens
         if not self.takes(index):
             return BasicTransformerBlock.forward(block, x, encoder_hidden_states=text)
-        idx = self.indices.get(tokens)
-        if idx is None:
-            idx = self.indices[tokens] = _dynamic(torch.zeros((self.rows, share_tokens(self.share, tokens)),
-                                                              dtype=torch.long, device=x.device), 0, 1)
-        y = self.buffers.outputs.get(index)
-        if y is None:
-            y = self.buffers.outputs[index] = _dynamic(torch.zeros_like(x), 0)
-        at = idx.unsqueeze(-1).expand(-1, -1, width)
+        y = self._buffer(index, x)
+        at = self._indices(tokens, x.device).unsqueeze(-1).expand(-1, -1, width)
         return y.scatter(1, at, _masked_tokens(block, x, text, at))
+
+    def run_resnet(self, block, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:
+        """The ResNet block `block` on each row's box (conv_subsets.static_region), the rest recorded."""
+        from backends.core.runtime import conv_subsets
+
+        height, width = x.shape[-2:]
+        tokens = height * width
+        self.buffers.grids[block._resnet_index] = (height, width)
+        spans = self.spans.get(tokens)
+        if spans is None:
+            spans = self.spans[tokens] = tuple(
+                _dynamic(torch.arange(-2, conv_subsets.box_side(f, side) + 2, device=x.device), 0)
+                for f, side in zip(self.box, (height, width)))
+        out_key, stats_key, maps_key = conv_subsets.keys(block._resnet_index)
+        groups = block.norm2.num_groups
+        rows = x.shape[0]
+        recorded = self._buffer(out_key, x.new_empty((rows, block.conv2.out_channels, height, width)).contiguous(
+            memory_format=torch.channels_last if conv_subsets._channels_last(x) else torch.contiguous_format))
+        stats = self._buffer(stats_key, x, (rows, 2, groups))
+        maps = self._buffer(maps_key, x, (rows, 2, groups, height, width))
+        return conv_subsets.static_region(block, x, temb, self._indices(tokens, x.device), spans, recorded, stats, maps)
 
     def fill(self, layout: TokenLayout) -> None:
         """The step's indices and recorded outputs into the buffers (rows past the layout's keep
@@ -400,6 +443,13 @@ class StaticSubsets:
             taken = self.takes(block)
             context.computed_tokens += sum(r.computed[tokens].numel() for r in layout.rows) if taken else rows * tokens
             context.all_tokens += rows * tokens
+        if context.convs:
+            from backends.core.runtime.conv_subsets import box_side
+
+            for height, width in self.buffers.grids.values():
+                context.conv_all += rows * height * width
+                context.conv_computed += rows * (height * width if self.box is None else
+                                                 box_side(self.box[0], height) * box_side(self.box[1], width))
 
 
 def _dynamic(buffer: torch.Tensor, *dims: int) -> torch.Tensor:

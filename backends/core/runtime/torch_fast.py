@@ -15,16 +15,18 @@ What runs eager instead (through the eager runtime over the very same modules an
 - more rows than the largest bucket;
 - a shape without a bucket when misses are not captured (`compiled`: capturing means compiling);
 - template edits' steps that record, or mix roles (runtime/token_subsets.py). Steps whose rows all
-  reuse a recording run as graphs, one pair per row bucket and token share (`GRAPH_SHARES`); their
-  buckets' static token indices and recorded outputs are filled before each replay
-  (`StaticSubsets.fill`). Under `graphs`, and under `compiled` where a load plan leaves some blocks
-  whole (a plan per batch would mean a compile per plan), they are graphs of the eager modules,
-  captured at first use (no compile). Under `compiled` with every block from the recording they are
-  graphs of the compiled halves where that compile is warm (`warmup_template_edits`, or misses
-  capture): their row and token counts are dynamic, so one compile per latent size serves every
-  bucket and share; elsewhere, graphs of the eager modules. On an H200 the eager modules' reusing step (1024 px, 2 rows, 20% mask) took 32.4 ms
-  against the compiled exact step's 31.4: eager GroupNorm, layout copies and unfused element-wise
-  work on the whole ResNets outweighed the transformer work saved.
+  reuse a recording run as graphs, one pair per row bucket, token share (`GRAPH_SHARES`) and, with
+  `conv_subsets`, box sides of the ResNet blocks (conv_subsets.BOX_SIDES); their buckets' static
+  token indices and recorded outputs are filled before each replay (`StaticSubsets.fill`). Under
+  `graphs`, and under `compiled` where a load plan leaves some blocks whole (a plan per batch would
+  mean a compile per plan), they are graphs of the eager modules, captured at first use (no
+  compile). Under `compiled` with every block from the recording they are graphs of the compiled
+  halves where that compile is warm (`warmup_template_edits`, or misses capture): their row and
+  token counts and box sides are dynamic, so one compile per latent size serves every bucket;
+  elsewhere, graphs of the eager modules. On an H200 the eager modules' reusing step (1024 px, 2
+  rows, 20% mask, ResNets whole) took 32.4 ms against the compiled exact step's 31.4: eager
+  GroupNorm, layout copies and unfused element-wise work on the whole ResNets outweighed the
+  transformer work saved.
 LoRA merges write into the weights' own memory, so captured graphs see them (tested on the GPU).
 All graphs of a runtime share one memory pool: they never run concurrently, and the static
 buffers stay referenced, so the pool never hands them out twice.
@@ -47,6 +49,7 @@ import torch
 from backends.core.runtime.base import EncoderOut, Residuals, RuntimeCaps, StepBatch, check_batch, refit_in_place
 from backends.core.runtime.compile_cache import use_compile_cache
 from backends.core.runtime.config import RuntimeConfig
+from backends.core.runtime.conv_subsets import BOX_SIDES, graph_box
 from backends.core.runtime.cuda_graphs import capture
 from backends.core.runtime.packed_attention import pack_attention
 from backends.core.runtime.token_subsets import GRAPH_SHARES, RecordedBuffers, StaticSubsets, graph_share
@@ -94,8 +97,7 @@ class FastUNetRuntime:
         if device.type != "cuda":
             raise ValueError(f"runtime.kind={config.kind!r} needs a CUDA device (this denoiser is on {device})")
         self.eager = eager
-        # Reusing steps as graphs run the ResNet blocks whole: recording them would only take room.
-        eager.conv_subsets = config.conv_subsets and not config.subset_graphs
+        eager.conv_subsets = config.conv_subsets  # (before the blocks' classes are installed, below)
         self.config = config
         self.device = device
         self.weights_module = eager.weights_module
@@ -241,7 +243,8 @@ class FastUNetRuntime:
                     batch = _resized(template, rows, h, w)
                     self._warm_edits.add(self._size(self._key(batch, rows)))
                     for share in GRAPH_SHARES:
-                        self._capture_subsets(batch, rows, share, None)
+                        box = _square(share) if self.eager.conv_subsets else None
+                        self._capture_subsets(batch, rows, share, None, box)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
         self.stats.warmup_s += seconds
@@ -284,7 +287,8 @@ class FastUNetRuntime:
         args = (bucket.sample, bucket.timestep, bucket.text, bucket.pooled, bucket.time_ids)
         bucket.encoder, bucket.enc_out = self._capture_half(bucket, 0, args)
         self.buckets[key or self._key(batch, rows)] = bucket
-        self._captured(start, "encoder" if subsets is None else f"encoder (token share {subsets.share:g})", rows)
+        self._captured(start, "encoder" if subsets is None else
+                       f"encoder (token share {subsets.share:g}, ResNet box {subsets.box})", rows)
         return bucket
 
     def _halves(self, bucket: _Bucket) -> tuple:
@@ -315,23 +319,26 @@ class FastUNetRuntime:
         rows = self.bucket_rows(batch.rows)
         if share is None or rows is None:
             return None
-        bucket = self.buckets.get((*self._key(batch, rows), share, batch.tokens.cached))
+        box = graph_box(batch.tokens, *batch.latent_shape) if self.eager.conv_subsets else None
+        bucket = self.buckets.get((*self._key(batch, rows), share, box, batch.tokens.cached))
         if bucket is None:
-            bucket = self._capture_subsets(batch, rows, share, batch.tokens.cached)
+            bucket = self._capture_subsets(batch, rows, share, batch.tokens.cached, box)
         bucket.subsets.fill(batch.tokens)
         return bucket
 
-    def _capture_subsets(self, batch: StepBatch, rows: int, share: float, cached: frozenset[int] | None) -> _Bucket:
+    def _capture_subsets(self, batch: StepBatch, rows: int, share: float, cached: frozenset[int] | None,
+                         box: tuple[float, float] | None) -> _Bucket:
         """A reusing step's bucket of `rows` rows at token share `share` under the load plan
-        `cached`. Its graphs are of the compiled halves where the runtime compiles, every block
-        reads the recording, and that compile is warm at its size (or misses may capture: a
-        compile is minutes); else of the eager modules (a plan per batch would compile per plan)."""
+        `cached`, its ResNet blocks on boxes of `box`'s sides (None: whole). Its graphs are of the
+        compiled halves where the runtime compiles, every block reads the recording, and that
+        compile is warm at its size (or misses may capture: a compile is minutes); else of the eager
+        modules (a plan per batch would compile per plan)."""
         size = self._key(batch, rows)
         eager_halves = not (self.caps.compiled and cached is None
                             and (self.config.miss_captures or self._size(size) in self._warm_edits))
         buffers = self._recorded.setdefault((*batch.latent_shape, rows), RecordedBuffers())
-        subsets = StaticSubsets(rows, share, cached, self.eager.subset_context(), buffers)
-        bucket = self._capture(batch, rows, (*size, share, cached), subsets, eager_halves)
+        subsets = StaticSubsets(rows, share, cached, self.eager.subset_context(), buffers, box)
+        bucket = self._capture(batch, rows, (*size, share, box, cached), subsets, eager_halves)
         # The decoder's too, now: its blocks' buffers are made before its capture, and the step's
         # fill must reach them.
         self._capture_decoder(bucket, False)
@@ -369,6 +376,13 @@ class FastUNetRuntime:
         self.stats.captures += 1
         self.stats.capture_s += seconds
         log.info("captured the %s graph for %s rows in %.2f s", what, rows, seconds)
+
+
+def _square(share: float) -> tuple[float, float]:
+    """The box sides that a square mask of token share `share` needs (what warmup captures: other
+    boxes are captured at first use)."""
+    side = next(f for f in BOX_SIDES if f * f >= share)
+    return side, side
 
 
 def _resized(template: StepBatch, rows: int, h: int, w: int) -> StepBatch:
