@@ -18,6 +18,9 @@ outside the mask are noised with the request's noise), prompts that differ per r
 - diffusers' StableDiffusionXLInpaintPipeline on the same weights, eager and with its UNet
   compiled: latency per mask ratio, and one call batching c edits per concurrency level.
 
+`--conv-subsets` exports the server with the ResNet blocks of reusing edits on their mask's box
+(RuntimeConfig.conv_subsets); the exact edits are the same either way.
+
 Written into `<out>/edits.json`, `edits.md` and the plots `edits_latency.png`, `edits_load.png` beside
 the other configurations' results. Random weights: the
 figures say what reuse costs and how far it moves an image, not how good pictures look.
@@ -309,7 +312,8 @@ def serving(setup, model: Path, routing: str, denoisers: int, cache_gib: tuple[f
                             max_steps=max(150, setup.steps, setup.throughput_steps),
                             max_in_flight=max(56, top + 48), max_running=max(16, top),
                             max_batch_rows=max(16, 2 * top),
-                            template_cache_gib=cache_gib, warmup_template_edits=True, **place)
+                            template_cache_gib=cache_gib, warmup_template_edits=True,
+                            conv_subsets=setup.conv_subsets, **place)
     repo = setup.work / f"repo-edits-{routing}"
     export_repository(model, repo, options)
     if setup.shared_compile_cache:
@@ -358,6 +362,8 @@ def markdown(results: dict) -> str:
     eager, compiled = results.get("diffusers_eager") or {}, results.get("diffusers_compiled") or {}
     cache = results.get("template_cache_gib")
     cache = f"; template cache {','.join(f'{g:g}' for g in cache)} GiB (device,host,disk)" if cache else ""
+    if results.get("conv_subsets"):
+        cache += "; ResNet blocks on the mask's box (--conv-subsets)"
     lines = [f"# Template edits ({results['device']}, gpus {results['gpus']}, {results['runtime']}; "
              f"{results['size']} px, {results['steps']} steps, seed {results['seed']}{cache})", "",
              "Random weights: the figures say what reusing a recording costs and how far it moves an image.", "",
@@ -479,7 +485,7 @@ def run_edits(setup, out_dir: Path, skip: set[str] = frozenset(), load_rates: tu
     template = _png(template_pixels)
     results = {"size": setup.size, "steps": setup.steps, "throughput_steps": setup.throughput_steps,
                "runs": setup.runs, "device": setup.device, "gpus": list(setup.gpus), "runtime": setup.resolved_runtime,
-               "seed": SEED, "latency": {}, "throughput": {}, "load": {}}
+               "seed": SEED, "conv_subsets": setup.conv_subsets, "latency": {}, "throughput": {}, "load": {}}
     cache_gib = cache_gib or ((1.0, 0.0, 0.0) if setup.smoke else GPU_TEMPLATE_CACHE_GIB)
     results["template_cache_gib"] = list(cache_gib)
     out_dir.mkdir(parents=True, exist_ok=True)
