@@ -332,10 +332,12 @@ class FastUNetRuntime:
         `cached`, its ResNet blocks on boxes of `box`'s sides (None: whole). Its graphs are of the
         compiled halves where the runtime compiles, every block reads the recording, and that
         compile is warm at its size (or misses may capture: a compile is minutes); else of the eager
-        modules (a plan per batch would compile per plan)."""
+        modules (a plan per batch would compile per plan). The warm compile serves boxes where the
+        runtime runs the ResNet blocks on them, and no box elsewhere: a step without one under
+        conv_subsets (a recording made without the ResNet blocks') would compile again."""
         size = self._key(batch, rows)
-        eager_halves = not (self.caps.compiled and cached is None
-                            and (self.config.miss_captures or self._size(size) in self._warm_edits))
+        warm = self._size(size) in self._warm_edits and (box is not None) == self.eager.conv_subsets
+        eager_halves = not (self.caps.compiled and cached is None and (self.config.miss_captures or warm))
         buffers = self._recorded.setdefault((*batch.latent_shape, rows), RecordedBuffers())
         subsets = StaticSubsets(rows, share, cached, self.eager.subset_context(), buffers, box)
         bucket = self._capture(batch, rows, (*size, share, box, cached), subsets, eager_halves)
