@@ -9,7 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from backends.core.runtime.conv_subsets import BOX_SIDES, box_side, graph_box, keys, masked_boxes, whole
+from backends.core.runtime.conv_subsets import (BOX_SIDES, box_side, graph_box, keys, masked_boxes, static_upsample,
+                                                upsample_side, whole)
 from backends.core.runtime.token_subsets import (REUSE, RecordedBuffers, StaticSubsets, TemplateActivations,
                                                  TokenLayout, TokenRow, computed_tokens, graph_share, install)
 
@@ -94,6 +95,39 @@ def test_the_static_boxes_give_the_eager_forms_outputs(block, channels_last, buc
     assert context.conv_all - before[1] == 3 * HEIGHT * WIDTH
 
 
+@pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels-last"])
+def test_an_upsampler_on_its_box_gives_its_whole_output(channels_last):
+    """An input that differs from the recorded one only on each row's widened box (what the ResNet
+    blocks computed there): the upsampler on its box over the recording equals it run whole, so
+    its box adds no deviation."""
+    from diffusers.models.upsampling import Upsample2D
+
+    from backends.core.runtime.conv_subsets import MARGIN, widened
+
+    torch.manual_seed(5)
+    fmt = torch.channels_last if channels_last else torch.contiguous_format
+    block = Upsample2D(8, use_conv=True).eval().to(memory_format=fmt)
+    g = torch.Generator().manual_seed(6)
+    template = torch.randn(3, 8, HEIGHT, WIDTH, generator=g).contiguous(memory_format=fmt)
+    windows = ((slice(1, 4), slice(2, 5)), (slice(6, 10), slice(9, 12)), (slice(0, 1), slice(0, 2)))
+    x = template.clone()
+    for k, (rows, cols) in enumerate(windows):
+        top, bottom, left, right = widened([(rows.start, rows.stop, cols.start, cols.stop)], HEIGHT, WIDTH)
+        x[k, :, top:bottom, left:right] = torch.randn(8, bottom - top, right - left, generator=g)
+    assert MARGIN == 1
+    layout = layout_of(TemplateActivations(1), *windows)
+    tokens = torch.stack([torch.cat([r.computed[HEIGHT * WIDTH], r.computed[HEIGHT * WIDTH][-1:].expand(
+        40 - r.computed[HEIGHT * WIDTH].numel())]) for r in layout.rows])  # (padded by repeating)
+    box = graph_box(layout, HEIGHT, WIDTH, recorded=())
+    spans = tuple(torch.empty(upsample_side(f, side)) for f, side in zip(box, (HEIGHT, WIDTH)))
+    assert spans[0].numel() < 2 * HEIGHT and spans[1].numel() < 2 * WIDTH
+    with torch.inference_mode():
+        want = Upsample2D.forward(block, x)
+        got = static_upsample(block, x, tokens, spans, Upsample2D.forward(block, template))
+    assert got.is_contiguous(memory_format=fmt)
+    torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
+
+
 def test_without_a_box_the_static_form_runs_the_block_whole(block):
     from diffusers.models.resnet import ResnetBlock2D
 
@@ -113,25 +147,46 @@ def test_without_a_box_the_static_form_runs_the_block_whole(block):
     assert torch.equal(got, want) and not static.buffers.outputs
 
 
-def test_one_compile_serves_every_box_size_token_share_and_row_count(block):
+class ResnetThenUpsampler(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        from diffusers.models.resnet import ResnetBlock2D
+        from diffusers.models.upsampling import Upsample2D
+
+        self.resnet = ResnetBlock2D(in_channels=8, out_channels=16, temb_channels=TEMB, groups=4)
+        self.up = Upsample2D(16, use_conv=True)
+
+    def forward(self, x, temb):
+        return self.up(self.resnet(x, temb))
+
+
+def test_one_compile_serves_every_box_size_token_share_and_row_count():
     """Under `compiled` the reusing halves are compiled once per latent size: the boxes' spans,
     like the rows and token counts, are dynamic, so a new box size is a new graph, not a compile."""
     from torch._dynamo import maybe_mark_dynamic, reset
     from torch._dynamo.testing import CompileCounterWithBackend
 
-    block, context = block
+    from backends.core.runtime.token_subsets import RECORD
+
+    torch.manual_seed(0)
+    model = ResnetThenUpsampler().eval()
+    context = install(model, convs=True)
     g = torch.Generator().manual_seed(3)
-    template = recording(block, g)
+    template = TemplateActivations(2)
+    with torch.inference_mode():  # the eager form records the ResNet block's and the upsampler's outputs
+        context.layout = TokenLayout((TokenRow(RECORD, template, 0, 0), TokenRow(RECORD, template, 0, 1)))
+        model(torch.randn(2, 8, HEIGHT, WIDTH, generator=g), torch.randn(2, TEMB, generator=g))
+        context.layout = None
     counter = CompileCounterWithBackend("aot_eager")
     reset()
-    compiled = torch.compile(block, backend=counter)
+    compiled = torch.compile(model, backend=counter)
     buffers, boxes = {}, set()
     try:
         for bucket_rows, windows in ((3, ((slice(1, 4), slice(2, 5)),)),
                                      (3, ((slice(0, 8), slice(0, 4)), (slice(2, 3), slice(2, 3)))),
                                      (4, ((slice(5, 6), slice(0, 1)), (slice(4, 10), slice(3, 12))))):
             layout = layout_of(template, *windows)
-            box = graph_box(layout, HEIGHT, WIDTH)
+            box = graph_box(layout, HEIGHT, WIDTH, context.box_keys)
             boxes.add(box)
             static = StaticSubsets(bucket_rows, graph_share(layout), None, context,
                                    buffers.setdefault(bucket_rows, RecordedBuffers()), box)
@@ -141,9 +196,9 @@ def test_one_compile_serves_every_box_size_token_share_and_row_count(block):
                 maybe_mark_dynamic(t, 0)
             with torch.inference_mode():
                 context.layout = static
-                block(x, temb)  # the buffers, made eager (as the runtime does)
+                model(x, temb)  # the buffers, made eager (as the runtime does)
                 static.fill(layout)
-                want = block(x, temb)
+                want = model(x, temb)
                 got = compiled(x, temb)
                 context.layout = None
             assert (got - want).abs().max() <= 1e-5 * want.abs().max()
@@ -196,11 +251,14 @@ def test_a_whole_unets_static_step_gives_the_eager_steps_outputs(tiny_model):
     args = inputs(4)
     args = (args[0], args[1], torch.cat([recorded_inputs[2], recorded_inputs[2]]), *args[3:])  # the template's text
     want = step(layout, tuple(a[:3] for a in args))
-    box = graph_box(layout, side, side)
-    assert box is not None and box != (1.0, 1.0)
+    box = graph_box(layout, side, side, runtime.subsets.box_keys)
+    assert box is not None and box != (1.0, 1.0) and len(runtime.subsets.box_keys) == 2  # ResNet blocks, upsamplers
     static = StaticSubsets(4, graph_share(layout), None, runtime.subsets, RecordedBuffers(), box)
     step(static, args)  # the buffers (a capture's warm-up)
     got = step(static, args, fill=layout)[:3]
+    # the upsamplers' boxes: part of their output grids (the eager form runs them whole)
+    assert any(s[0].numel() < 2 * (side >> level) for level in (1, 2) if (t := (side >> level) ** 2)
+               in static.upsample_spans for s in [static.upsample_spans[t]])
     print("whole UNet, static boxes against eager:", float((got - want).abs().max() / want.abs().max()))
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     unboxed = StaticSubsets(4, graph_share(layout), None, runtime.subsets, RecordedBuffers())

@@ -29,6 +29,12 @@ the grid's side from `BOX_SIDES`, one per height and width, part of the graph's 
 device from the row's own computed-token indices, which the static form already holds. Positions
 of the window outside the row's own box keep the recording, so a row gets what the eager form
 gives it alone.
+
+The upsamplers (SDXL's two: 3.6% of a row's FLOPs, 11% of a reusing step's at a 20% mask with the
+ResNet boxes) take the same way in the static form (`static_upsample`), on their input's widened
+box doubled and widened by a token: beyond it their input is the recording's (the ResNet blocks'
+and transformer blocks' outputs there are), so their output is too, and the box adds no
+deviation. The eager form runs them whole and records their outputs (`upsample_rows`).
 """
 
 from __future__ import annotations
@@ -42,8 +48,10 @@ import torch.nn.functional as F
 # masked is already in the box).
 MARGIN = 1
 # Recording keys: ResNet block i's output under KEY_BASE + 3i, then norm2's statistics and its
-# per-position deviation sums (transformer blocks use their install index, below KEY_BASE).
+# per-position deviation sums (transformer blocks use their install index, below KEY_BASE);
+# upsampler j's output under UPSAMPLE_BASE + j.
 KEY_BASE = 1 << 16
+UPSAMPLE_BASE = KEY_BASE + (1 << 12)
 
 Box = tuple[int, int, int, int]  # (top, bottom, left, right) on a token grid, end-exclusive
 # The static form's box sides, as fractions of a grid's side (box_side): a graph pair per height
@@ -54,6 +62,11 @@ BOX_SIDES = tuple(n / 8 for n in range(1, 9))
 def keys(index: int) -> tuple[int, int, int]:
     """The recording keys of ResNet block `index`: its output, norm2's statistics, their maps."""
     return KEY_BASE + 3 * index, KEY_BASE + 3 * index + 1, KEY_BASE + 3 * index + 2
+
+
+def upsample_key(index: int) -> int:
+    """The recording key of upsampler `index`'s output."""
+    return UPSAMPLE_BASE + index
 
 
 def is_block_key(key: int) -> bool:
@@ -78,14 +91,24 @@ def plain(block) -> bool:
     optional 1x1 shortcut; no resampling inside."""
     from diffusers.models.resnet import ResnetBlock2D
 
-    def conv(c, k):
-        return isinstance(c, torch.nn.Conv2d) and c.kernel_size == (k, k) and c.stride == (1, 1) \
-            and c.padding == (k // 2, k // 2) and c.dilation == (1, 1) and c.groups == 1
     return (type(block) is ResnetBlock2D and block.upsample is None and block.downsample is None
             and block.time_embedding_norm == "default" and block.time_emb_proj is not None
             and isinstance(block.norm1, torch.nn.GroupNorm) and isinstance(block.norm2, torch.nn.GroupNorm)
-            and isinstance(block.nonlinearity, torch.nn.SiLU) and conv(block.conv1, 3) and conv(block.conv2, 3)
-            and (block.conv_shortcut is None or conv(block.conv_shortcut, 1)))
+            and isinstance(block.nonlinearity, torch.nn.SiLU) and _conv(block.conv1, 3) and _conv(block.conv2, 3)
+            and (block.conv_shortcut is None or _conv(block.conv_shortcut, 1)))
+
+
+def plain_upsampler(block) -> bool:
+    """SDXL's upsamplers: nearest-neighbour doubling, then a 3x3 convolution; nothing else."""
+    from diffusers.models.upsampling import Upsample2D
+
+    return (type(block) is Upsample2D and block.use_conv and not block.use_conv_transpose and block.interpolate
+            and block.norm is None and block.name == "conv" and _conv(block.conv, 3))
+
+
+def _conv(c, k: int) -> bool:
+    return isinstance(c, torch.nn.Conv2d) and c.kernel_size == (k, k) and c.stride == (1, 1) \
+        and c.padding == (k // 2, k // 2) and c.dilation == (1, 1) and c.groups == 1
 
 
 def whole(block, x: torch.Tensor, temb: torch.Tensor,
@@ -179,14 +202,15 @@ def box_side(fraction: float, side: int) -> int:
     return min(side, math.ceil(fraction * side - 1e-6) + 2 * MARGIN)
 
 
-def graph_box(layout, height: int, width: int) -> tuple[float, float] | None:
+def graph_box(layout, height: int, width: int, recorded: tuple[int, ...] = (KEY_BASE,)) -> tuple[float, float] | None:
     """For a step whose rows all reuse (token_subsets.graph_share), the smallest (height, width)
     fractions of BOX_SIDES whose boxes hold, at every grid of a latent of `height` x `width`, each
-    row's widened box; None where a row's recording lacks the ResNet blocks (they run whole)."""
+    row's widened box; None where a row's recording lacks one of the keys `recorded` (the first
+    ResNet block's and upsampler's: recorded without them, they run whole)."""
     grids = {(height >> i) * (width >> i): (height >> i, width >> i) for i in range(8) if height >> i and width >> i}
     need = [0, 0]  # the fraction each dimension needs
     for r in layout.rows:
-        if r.boxes is None or not r.activations.holds(r.step, KEY_BASE):
+        if r.boxes is None or not all(r.activations.holds(r.step, key) for key in recorded):
             return None
         for tokens, box in r.boxes.items():
             if box is None:
@@ -202,23 +226,19 @@ def static_region(block, x: torch.Tensor, temb: torch.Tensor, tokens: torch.Tens
                   recorded: torch.Tensor, norm2_stats: torch.Tensor, norm2_maps: torch.Tensor) -> torch.Tensor:
     """region() in the static form: what each row gets alone, from fixed-size tensors and no host
     value. `tokens` ([rows, n]: each row's computed tokens at this grid, padded by repeating) gives
-    each row's own box; `spans` (arange(-2, side + 2) of the box's height and of its width) the
-    window's size, which is placed within the grid over that box."""
+    each row's own box; `spans` (tensors as long as the box's height and width: only their lengths
+    are read, which a compile keeps symbolic) the box's size, which is placed within the grid over
+    that box."""
     rows, channels, height, width = x.shape
-    span_h, span_w = spans
-    bh, bw = span_h.shape[0] - 4, span_w.shape[0] - 4
+    bh, bw = spans[0].shape[0], spans[1].shape[0]
     r, c = tokens // width, tokens % width
     own_top, own_bottom = (r.amin(1) - MARGIN).clamp_min(0), (r.amax(1) + 1 + MARGIN).clamp_max(height)
     own_left, own_right = (c.amin(1) - MARGIN).clamp_min(0), (c.amax(1) + 1 + MARGIN).clamp_max(width)
-    grid_r = own_top.clamp_max(height - bh)[:, None] + span_h  # [rows, bh + 4]: the box widened by 2
-    grid_c = own_left.clamp_max(width - bw)[:, None] + span_w
-
-    def within(at: torch.Tensor, lo: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:  # [rows, n]: lo <= at < hi
-        return (at >= lo[:, None]) & (at < hi[:, None])
+    top, left = own_top.clamp_max(height - bh), own_left.clamp_max(width - bw)
 
     def places(pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The box widened by `pad`: its grid rows, columns, flat indices (clamped) and which are on the grid."""
-        gr, gc = grid_r[:, 2 - pad:grid_r.shape[1] - 2 + pad], grid_c[:, 2 - pad:grid_c.shape[1] - 2 + pad]
+        gr, gc = top[:, None] + _reach(bh, pad, x.device), left[:, None] + _reach(bw, pad, x.device)
         flat = (gr.clamp(0, height - 1)[:, :, None] * width + gc.clamp(0, width - 1)[:, None, :]).reshape(rows, -1)
         on = ((gr >= 0) & (gr < height))[:, :, None] & ((gc >= 0) & (gc < width))[:, None, :]
         return gr, gc, flat, on
@@ -231,8 +251,7 @@ def static_region(block, x: torch.Tensor, temb: torch.Tensor, tokens: torch.Tens
     h = h + block.time_emb_proj(t)[:, :, None, None]
     # norm2's statistics corrected on the row's own window (its box widened by 1, on the grid)
     gr, gc, flat, on = places(1)
-    window = (on & within(gr, own_top - 1, own_bottom + 1)[:, :, None]
-              & within(gc, own_left - 1, own_right + 1)[:, None, :])
+    window = on & _within(gr, gc, own_top - 1, own_bottom + 1, own_left - 1, own_right + 1)
     groups = block.norm2.num_groups
     weight = window[:, None, None].float()
     new = (_deviation_sums(h, norm2_stats[:, 0], groups) * weight).sum((-1, -2))
@@ -246,13 +265,66 @@ def static_region(block, x: torch.Tensor, temb: torch.Tensor, tokens: torch.Tens
     if block.conv_shortcut is not None:
         shortcut = block.conv_shortcut(shortcut)
     y = (shortcut + y) / block.output_scale_factor
-    own = within(gr, own_top, own_bottom)[:, :, None] & within(gc, own_left, own_right)[:, None, :]
+    own = _within(gr, gc, own_top, own_bottom, own_left, own_right)
     y = torch.where(own[:, None], y, _gather(recorded, flat).reshape(y.shape))
     return _scatter(recorded, flat, y)
 
 
+def upsample_side(fraction: float, side: int) -> int:
+    """The static form's box side at an upsampler's output grid, for a box of `fraction` of its input
+    grid's side `side`: the input box doubled and a token either side (the convolution's reach)."""
+    return min(2 * side, 2 * box_side(fraction, side) + 2)
+
+
+def static_upsample(block, x: torch.Tensor, tokens: torch.Tensor, spans: tuple, recorded: torch.Tensor) -> torch.Tensor:
+    """The upsampler `block` on each row's box of its output grid, the rest `recorded` ([rows, C,
+    2H, 2W]): the box is the input grid's widened box (what the ResNet blocks computed, from
+    `tokens` as in static_region), doubled and widened by a token, beyond which the input is the
+    recording's and so is the output: no deviation beyond the ResNet blocks'. `spans`: as long as
+    the box's height and width on the output grid."""
+    rows, channels, height, width = x.shape
+    out_h, out_w = 2 * height, 2 * width
+    bh, bw = spans[0].shape[0], spans[1].shape[0]
+    r, c = tokens // width, tokens % width
+    top = (2 * (r.amin(1) - MARGIN).clamp_min(0) - 1).clamp_min(0)
+    bottom = (2 * (r.amax(1) + 1 + MARGIN).clamp_max(height) + 1).clamp_max(out_h)
+    left = (2 * (c.amin(1) - MARGIN).clamp_min(0) - 1).clamp_min(0)
+    right = (2 * (c.amax(1) + 1 + MARGIN).clamp_max(width) + 1).clamp_max(out_w)
+    # [rows, bh + 2]: the box widened by 1, output rows
+    gr = top.clamp_max(out_h - bh)[:, None] + _reach(bh, 1, x.device)
+    gc = left.clamp_max(out_w - bw)[:, None] + _reach(bw, 1, x.device)
+    # nearest-neighbour doubling: output position p reads input p // 2
+    flat = ((gr.clamp(0, out_h - 1) // 2)[:, :, None] * width + (gc.clamp(0, out_w - 1) // 2)[:, None, :])
+    on = ((gr >= 0) & (gr < out_h))[:, :, None] & ((gc >= 0) & (gc < out_w))[:, None, :]
+    cut = _gather(x, flat.reshape(rows, -1)).reshape(rows, channels, bh + 2, bw + 2) * on[:, None].to(x.dtype)
+    y = F.conv2d(cut, block.conv.weight, block.conv.bias)
+    gr, gc = gr[:, 1:-1], gc[:, 1:-1]
+    flat = (gr[:, :, None] * out_w + gc[:, None, :]).reshape(rows, -1)
+    own = _within(gr, gc, top, bottom, left, right)
+    y = torch.where(own[:, None], y, _gather(recorded, flat).reshape(y.shape))
+    return _scatter(recorded, flat, y)
+
+
+def _reach(side, pad: int, device: torch.device) -> torch.Tensor:
+    """arange(-pad, side + pad): a box side's offsets, widened by `pad` either way."""
+    return torch.arange(-pad, side + pad, device=device)
+
+
+def _within(gr: torch.Tensor, gc: torch.Tensor, top, bottom, left, right) -> torch.Tensor:
+    """[rows, len(gr), len(gc)]: whether each (row, column) of a window lies in [top, bottom) x
+    [left, right) (each [rows])."""
+    return (((gr >= top[:, None]) & (gr < bottom[:, None]))[:, :, None]
+            & ((gc >= left[:, None]) & (gc < right[:, None]))[:, None, :])
+
+
 def _channels_last(x: torch.Tensor) -> bool:
     return x.dim() == 4 and not x.is_contiguous() and x.is_contiguous(memory_format=torch.channels_last)
+
+
+def zeros_as(x: torch.Tensor, shape: tuple) -> torch.Tensor:
+    """Zeros of `shape` in x's dtype, device and memory format."""
+    fmt = torch.channels_last if _channels_last(x) else torch.contiguous_format
+    return torch.zeros(shape, dtype=x.dtype, device=x.device).contiguous(memory_format=fmt)
 
 
 def _gather(x: torch.Tensor, flat: torch.Tensor) -> torch.Tensor:
@@ -359,6 +431,20 @@ def run_rows(block, layout, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor
         return y
     out.index_copy_(0, idx, y)
     return out
+
+
+def upsample_rows(block, layout, x: torch.Tensor) -> torch.Tensor:
+    """Every row of the step through the upsampler `block`, whole (a REUSE row's output outside its
+    box is the recording's anyway: static_upsample), RECORD rows' outputs kept."""
+    from diffusers.models.upsampling import Upsample2D
+
+    from backends.core.runtime.token_subsets import RECORD
+
+    y = Upsample2D.forward(block, x)
+    for k, r in enumerate(layout.rows):
+        if r.role == RECORD:
+            r.activations.put(r.step, upsample_key(block._upsample_index), r.row, y[k])
+    return y
 
 
 def _kept(rows, positions, record, keys_, outputs) -> torch.Tensor:

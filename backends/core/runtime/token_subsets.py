@@ -178,6 +178,9 @@ class SubsetContext:
         self.convs = convs
         self.conv_computed = 0
         self.conv_all = 0
+        # The recording keys a step's rows must hold for the static form's boxes
+        # (conv_subsets.graph_box): the first ResNet block's and upsampler's, set at install
+        self.box_keys: tuple[int, ...] = ()
 
 
 def install(module: torch.nn.Module, convs: bool = False) -> SubsetContext:
@@ -190,8 +193,8 @@ def install(module: torch.nn.Module, convs: bool = False) -> SubsetContext:
     from backends.core.runtime import conv_subsets
 
     context = SubsetContext(convs)
-    cls, resnet_cls = _subset_block_class(), _subset_resnet_class()
-    index = resnets = 0
+    cls, resnet_cls, upsample_cls = _subset_block_class(), _subset_resnet_class(), _subset_upsample_class()
+    index = resnets = upsamplers = 0
     for block in module.modules():
         if type(block) is BasicTransformerBlock and _plain(block):
             block.__class__ = cls
@@ -201,6 +204,12 @@ def install(module: torch.nn.Module, convs: bool = False) -> SubsetContext:
             block.__class__ = resnet_cls
             block._subset_context, block._resnet_index = context, resnets
             resnets += 1
+        elif convs and conv_subsets.plain_upsampler(block):
+            block.__class__ = upsample_cls
+            block._subset_context, block._upsample_index = context, upsamplers
+            upsamplers += 1
+    context.box_keys = ((conv_subsets.keys(0)[0],) if resnets else ()) + \
+        ((conv_subsets.upsample_key(0),) if upsamplers else ())
     return context
 
 
@@ -247,6 +256,26 @@ def _subset_resnet_class():
             return super().forward(input_tensor, temb)  # (a static form without boxes runs it whole)
 
     return SubsetResnet
+
+
+@functools.cache
+def _subset_upsample_class():
+    from diffusers.models.upsampling import Upsample2D
+
+    from backends.core.runtime import conv_subsets
+
+    class SubsetUpsample(Upsample2D):
+        def forward(self, hidden_states, output_size=None, *args, **kwargs):
+            layout = self._subset_context.layout
+            if output_size is not None or args or kwargs:
+                return super().forward(hidden_states, output_size, *args, **kwargs)
+            if isinstance(layout, TokenLayout):
+                return conv_subsets.upsample_rows(self, layout, hidden_states)
+            if isinstance(layout, StaticSubsets) and layout.boxed:
+                return layout.run_upsample(self, hidden_states)
+            return super().forward(hidden_states)
+
+    return SubsetUpsample
 
 
 def _run_rows(block, layout: TokenLayout, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
@@ -369,7 +398,9 @@ class StaticSubsets:
         # (a flag for the blocks to test: a compile guards on what it reads, and the sides are data)
         self.box, self.boxed = box, box is not None
         self.indices: dict[int, torch.Tensor] = {}  # tokens -> [rows, n]
-        self.spans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # tokens -> the box's (height, width) spans
+        # tokens -> tensors as long as the box's height and width (their lengths, dynamic in a compile)
+        self.spans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        self.upsample_spans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the same on upsamplers' output grids
 
     def takes(self, block: int) -> bool:
         """Whether the recording of `block` (an install index, or a ResNet block's key) is read."""
@@ -384,12 +415,11 @@ class StaticSubsets:
                                                               dtype=torch.long, device=device), 0, 1)
         return idx
 
-    def _buffer(self, key: int, like: torch.Tensor, shape: tuple | None = None) -> torch.Tensor:
-        """The recorded buffer of `key`, made at its first run (zeros like `like`, or of `shape` in fp32)."""
+    def _buffer(self, key: int, make) -> torch.Tensor:
+        """The recorded buffer of `key`, made by `make()` at its first run."""
         buf = self.buffers.outputs.get(key)
         if buf is None:
-            buf = torch.zeros_like(like) if shape is None else torch.zeros(shape, device=like.device)
-            buf = self.buffers.outputs[key] = _dynamic(buf, 0)
+            buf = self.buffers.outputs[key] = _dynamic(make(), 0)
         return buf
 
     def run(self, block, x: torch.Tensor, text: torch.Tensor) -> torch.Tensor:
@@ -399,7 +429,7 @@ class StaticSubsets:
         self.buffers.tokens[index] = tokens
         if not self.takes(index):
             return BasicTransformerBlock.forward(block, x, encoder_hidden_states=text)
-        y = self._buffer(index, x)
+        y = self._buffer(index, lambda: torch.zeros_like(x))
         at = self._indices(tokens, x.device).unsqueeze(-1).expand(-1, -1, width)
         return y.scatter(1, at, _masked_tokens(block, x, text, at))
 
@@ -413,16 +443,29 @@ class StaticSubsets:
         spans = self.spans.get(tokens)
         if spans is None:
             spans = self.spans[tokens] = tuple(
-                _dynamic(torch.arange(-2, conv_subsets.box_side(f, side) + 2, device=x.device), 0)
+                _dynamic(torch.empty(conv_subsets.box_side(f, side), device=x.device), 0)
                 for f, side in zip(self.box, (height, width)))
         out_key, stats_key, maps_key = conv_subsets.keys(block._resnet_index)
-        groups = block.norm2.num_groups
-        rows = x.shape[0]
-        recorded = self._buffer(out_key, x.new_empty((rows, block.conv2.out_channels, height, width)).contiguous(
-            memory_format=torch.channels_last if conv_subsets._channels_last(x) else torch.contiguous_format))
-        stats = self._buffer(stats_key, x, (rows, 2, groups))
-        maps = self._buffer(maps_key, x, (rows, 2, groups, height, width))
+        rows, groups = x.shape[0], block.norm2.num_groups
+        recorded = self._buffer(out_key, lambda: conv_subsets.zeros_as(x, (rows, block.conv2.out_channels, height, width)))
+        stats = self._buffer(stats_key, lambda: torch.zeros((rows, 2, groups), device=x.device))
+        maps = self._buffer(maps_key, lambda: torch.zeros((rows, 2, groups, height, width), device=x.device))
         return conv_subsets.static_region(block, x, temb, self._indices(tokens, x.device), spans, recorded, stats, maps)
+
+    def run_upsample(self, block, x: torch.Tensor) -> torch.Tensor:
+        """The upsampler `block` on each row's box of its output grid (conv_subsets.static_upsample)."""
+        from backends.core.runtime import conv_subsets
+
+        height, width = x.shape[-2:]
+        tokens = height * width
+        spans = self.upsample_spans.get(tokens)
+        if spans is None:
+            spans = self.upsample_spans[tokens] = tuple(
+                _dynamic(torch.empty(conv_subsets.upsample_side(f, side), device=x.device), 0)
+                for f, side in zip(self.box, (height, width)))
+        recorded = self._buffer(conv_subsets.upsample_key(block._upsample_index), lambda: conv_subsets.zeros_as(
+            x, (x.shape[0], block.conv.out_channels, 2 * height, 2 * width)))
+        return conv_subsets.static_upsample(block, x, self._indices(tokens, x.device), spans, recorded)
 
     def fill(self, layout: TokenLayout) -> None:
         """The step's indices and recorded outputs into the buffers (rows past the layout's keep

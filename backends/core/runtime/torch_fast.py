@@ -319,7 +319,7 @@ class FastUNetRuntime:
         rows = self.bucket_rows(batch.rows)
         if share is None or rows is None:
             return None
-        box = graph_box(batch.tokens, *batch.latent_shape) if self.eager.conv_subsets else None
+        box = graph_box(batch.tokens, *batch.latent_shape, self.subsets.box_keys) if self.eager.conv_subsets else None
         bucket = self.buckets.get((*self._key(batch, rows), share, box, batch.tokens.cached))
         if bucket is None:
             bucket = self._capture_subsets(batch, rows, share, batch.tokens.cached, box)
