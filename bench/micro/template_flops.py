@@ -9,9 +9,9 @@ the transformer models' projections, the embeddings) on every token. So, per row
 
     reusing(m) = outside + sum over blocks of (kv + m * (block - kv))
 
-against `outside + blocks` exactly. The report gives that ratio per mask ratio, and the ratio if
-the outside also shrank to the mask's share (the bound of computing convolutions on the masked
-region and its receptive field too, which Easel does not do).
+against `outside + blocks` exactly. The report gives that ratio per mask ratio; the ratio with the
+ResNet blocks shrunk to the mask's share, and with the upsamplers too (what `--conv-subsets` does,
+on the mask's box: its halo is not counted); and the ratio if the whole outside shrank (a bound).
 
     python3 -m bench.micro.template_flops --work /tmp/easel-tf --out tf.json --size 1024   # SDXL shapes
 """
@@ -36,6 +36,7 @@ def count(size: int, variant: str = "sdxl") -> dict:
     from diffusers import UNet2DConditionModel
     from diffusers.models.attention import BasicTransformerBlock
     from diffusers.models.resnet import ResnetBlock2D
+    from diffusers.models.upsampling import Upsample2D
     from torch.utils.flop_counter import FlopCounterMode
 
     from export.tiny import unet_kwargs
@@ -50,6 +51,7 @@ def count(size: int, variant: str = "sdxl") -> dict:
         added = {"text_embeds": torch.empty(1, pooled), "time_ids": torch.empty(1, 6)}
         names = [name for name, m in unet.named_modules() if type(m) is BasicTransformerBlock]
         resnets = [name for name, m in unet.named_modules() if type(m) is ResnetBlock2D]
+        upsamplers = [name for name, m in unet.named_modules() if type(m) is Upsample2D]
         blocks = {}
 
         def note(name):
@@ -67,9 +69,11 @@ def count(size: int, variant: str = "sdxl") -> dict:
     for name, block in blocks.items():
         block["flops"] = sum(by_module[f"UNet2DConditionModel.{name}"].values())
     total = sum(by_module["Global"].values())
+    def of(names):
+        return sum(sum(by_module[f"UNet2DConditionModel.{name}"].values()) for name in names)
+
     return {"size": size, "total": total, "outside": total - sum(b["flops"] for b in blocks.values()),
-            "resnets": sum(sum(by_module[f"UNet2DConditionModel.{name}"].values()) for name in resnets),
-            "blocks": list(blocks.values())}
+            "resnets": of(resnets), "upsamplers": of(upsamplers), "blocks": list(blocks.values())}
 
 
 def token_shares(size: int, ratio: float, levels: int = 3) -> dict[int, float]:
@@ -90,15 +94,16 @@ def token_shares(size: int, ratio: float, levels: int = 3) -> dict[int, float]:
 
 def speedups(flops: dict, size: int, ratio: float) -> dict:
     """The ideal speed-up of a reusing edit with the benchmark's mask of `ratio` against exact:
-    with the convolutions whole (Easel), with the ResNet blocks shrunk to the mask's share (their
-    receptive field's halo not counted), and with everything outside the transformer blocks
-    shrunk (a bound)."""
+    with the convolutions whole, with the ResNet blocks shrunk to the mask's share, with the
+    upsamplers too (their halo not counted: what --conv-subsets does), and with everything outside
+    the transformer blocks shrunk (a bound)."""
     shares = token_shares(size, ratio)
     in_blocks = sum(b["kv"] + shares[b["tokens"]] * (b["flops"] - b["kv"]) for b in flops["blocks"])
-    outside, resnets = flops["outside"], flops["resnets"]
+    outside, resnets, upsamplers = flops["outside"], flops["resnets"], flops["upsamplers"]
     return {"mask_ratio": ratio, "token_shares": {str(k): v for k, v in shares.items()},
             "reusing_flops": outside + in_blocks, "speedup": flops["total"] / (outside + in_blocks),
             "speedup_resnets_shrunk": flops["total"] / (outside - (1 - ratio) * resnets + in_blocks),
+            "speedup_convs_shrunk": flops["total"] / (outside - (1 - ratio) * (resnets + upsamplers) + in_blocks),
             "speedup_outside_shrunk": flops["total"] / (ratio * outside + in_blocks)}
 
 
@@ -115,13 +120,15 @@ def main() -> None:
              flops["total"] / 1e12, 100 * blocks / flops["total"], len(flops["blocks"]),
              sorted({b["tokens"] for b in flops["blocks"]}), 100 * kv / flops["total"],
              100 * flops["outside"] / flops["total"])
-    log.info("ResNet blocks: %.1f%% of the total", 100 * flops["resnets"] / flops["total"])
+    log.info("ResNet blocks: %.1f%% of the total; upsamplers %.1f%%", 100 * flops["resnets"] / flops["total"],
+             100 * flops["upsamplers"] / flops["total"])
     rows = [speedups(flops, args.size, r) for r in RATIOS]
     for row in rows:
         log.info("mask %.2f (tokens computed %s): ideal speed-up %.2fx with convolutions whole, %.2fx with the "
-                 "ResNet blocks shrunk, %.2fx with everything outside the transformer blocks shrunk",
-                 row["mask_ratio"], ", ".join(f"{v:.0%}" for v in row["token_shares"].values()), row["speedup"],
-                 row["speedup_resnets_shrunk"], row["speedup_outside_shrunk"])
+                 "ResNet blocks shrunk, %.2fx with the upsamplers too, %.2fx with everything outside the transformer "
+                 "blocks shrunk", row["mask_ratio"], ", ".join(f"{v:.0%}" for v in row["token_shares"].values()),
+                 row["speedup"], row["speedup_resnets_shrunk"], row["speedup_convs_shrunk"],
+                 row["speedup_outside_shrunk"])
     write_json(args.out, {"variant": args.variant, "flops": flops, "ratios": rows})
 
 

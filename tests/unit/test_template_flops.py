@@ -20,4 +20,6 @@ def test_a_reusing_edits_ideal_speedup_follows_its_mask():
     assert whole["speedup"] == pytest.approx(1.0) and whole["speedup_outside_shrunk"] == pytest.approx(1.0)
     small, large = speedups(flops, 256, 0.1), speedups(flops, 256, 0.5)
     assert small["speedup"] > large["speedup"] > 1.0
-    assert small["speedup_outside_shrunk"] > small["speedup_resnets_shrunk"] > small["speedup"]
+    assert small["speedup_outside_shrunk"] > small["speedup_convs_shrunk"] > small["speedup_resnets_shrunk"] \
+        > small["speedup"]
+    assert 0 < flops["upsamplers"] < flops["resnets"] < flops["outside"]
