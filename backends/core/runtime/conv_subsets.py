@@ -34,7 +34,8 @@ The upsamplers (SDXL's two: 3.6% of a row's FLOPs, 11% of a reusing step's at a 
 ResNet boxes) take the same way in the static form (`static_upsample`), on their input's widened
 box doubled and widened by a token: beyond it their input is the recording's (the ResNet blocks'
 and transformer blocks' outputs there are), so their output is too, and the box adds no
-deviation. The eager form runs them whole and records their outputs (`upsample_rows`).
+deviation. The eager form runs them whole and records their outputs (`upsample_rows`), as the
+static form does under a load plan (blocks run whole change tokens beyond the box).
 """
 
 from __future__ import annotations

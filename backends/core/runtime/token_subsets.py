@@ -271,7 +271,9 @@ def _subset_upsample_class():
                 return super().forward(hidden_states, output_size, *args, **kwargs)
             if isinstance(layout, TokenLayout):
                 return conv_subsets.upsample_rows(self, layout, hidden_states)
-            if isinstance(layout, StaticSubsets) and layout.boxed:
+            # (under a load plan REUSE rows run some blocks whole, whose output differs from the
+            # recording beyond the box too: the upsampler runs whole, as in the eager form)
+            if isinstance(layout, StaticSubsets) and layout.boxed and layout.cached is None:
                 return layout.run_upsample(self, hidden_states)
             return super().forward(hidden_states)
 
