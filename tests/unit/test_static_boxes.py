@@ -1,8 +1,9 @@
-"""The static form of the ResNet blocks' boxes (runtime/conv_subsets.static_region, served by
-StaticSubsets under CUDA graphs) against the eager form (conv_subsets.run_rows) on a random
-diffusers ResNet block on the CPU (fp32): each row's output within 1e-5 of its largest magnitude
-(the same math; the statistics' sums run in another order), in either memory layout, near the
-grid's edges too; one compile serves every box size, token share and row count."""
+"""The static form of the ResNet blocks' and upsamplers' boxes (runtime/conv_subsets.static_region
+and static_upsample, served by StaticSubsets under CUDA graphs) against the eager form
+(conv_subsets.run_rows; upsamplers whole) on random diffusers blocks and the tiny UNet on the CPU
+(fp32): each row's output within 1e-5 of its largest magnitude for a block, 1e-4 for the UNet (the
+same math; the statistics' sums run in another order), in either memory layout, near the grid's
+edges too; one compile serves every box size, token share and row count."""
 
 from __future__ import annotations
 
