@@ -129,6 +129,17 @@ def test_an_upsampler_on_its_box_gives_its_whole_output(channels_last):
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
 
+def test_upsamplers_take_their_box_only_where_every_resnet_block_takes_its_own():
+    from diffusers.models.upsampling import Upsample2D
+
+    from plugins.patch import FusedResnetBlock2D
+
+    plain, fused = ResnetThenUpsampler(), ResnetThenUpsampler()
+    fused.resnet.__class__ = FusedResnetBlock2D  # (as plugins.use_fused_kernels swaps it)
+    assert len(install(plain, convs=True).box_keys) == 2 and type(plain.up) is not Upsample2D
+    assert install(fused, convs=True).box_keys == () and type(fused.up) is Upsample2D  # both run whole
+
+
 def test_without_a_box_the_static_form_runs_the_block_whole(block):
     from diffusers.models.resnet import ResnetBlock2D
 

@@ -70,8 +70,9 @@ class RuntimeConfig:
     # compile per size, dynamic in rows and share: minutes for SDXL).
     warmup_template_edits: bool = False
     # Template edits' reusing rows also run the ResNet blocks on their mask's box, the rest from the
-    # recording (runtime/conv_subsets.py), eager and as graphs (box sides as buckets): approximate
-    # beyond the transformer blocks' reuse, opt-in until measured at SDXL size.
+    # recording (runtime/conv_subsets.py), eager and as graphs (box sides as buckets), and the
+    # upsamplers too: approximate beyond the transformer blocks' reuse, opt-in until measured at
+    # SDXL size. ResNet blocks that fused_kernels fused run whole (and then the upsamplers too).
     conv_subsets: bool = False
 
     def __post_init__(self):

@@ -185,16 +185,21 @@ class SubsetContext:
 
 def install(module: torch.nn.Module, convs: bool = False) -> SubsetContext:
     """Let every plain transformer block of `module` (a UNet, or its halves) serve token subsets,
-    and with `convs` every plain ResNet block its masked box (runtime/conv_subsets.py); returns
-    their shared context. Nothing else changes (only the blocks' class: weights and names stay
+    and with `convs` every plain ResNet block and upsampler its masked box (runtime/conv_subsets.py;
+    ResNet blocks that plugins/ fused run whole, and then the upsamplers too); returns their shared
+    context. Nothing else changes (only the blocks' class: weights and names stay
     diffusers')."""
     from diffusers.models.attention import BasicTransformerBlock
+    from diffusers.models.resnet import ResnetBlock2D
 
     from backends.core.runtime import conv_subsets
 
     context = SubsetContext(convs)
     cls, resnet_cls, upsample_cls = _subset_block_class(), _subset_resnet_class(), _subset_upsample_class()
     index = resnets = upsamplers = 0
+    # An upsampler's box holds its output's change only where every ResNet block took its box (one
+    # fused by plugins/ runs whole, changing tokens beyond it)
+    boxed_upsamplers = convs and all(conv_subsets.plain(b) for b in module.modules() if isinstance(b, ResnetBlock2D))
     for block in module.modules():
         if type(block) is BasicTransformerBlock and _plain(block):
             block.__class__ = cls
@@ -204,7 +209,7 @@ def install(module: torch.nn.Module, convs: bool = False) -> SubsetContext:
             block.__class__ = resnet_cls
             block._subset_context, block._resnet_index = context, resnets
             resnets += 1
-        elif convs and conv_subsets.plain_upsampler(block):
+        elif boxed_upsamplers and conv_subsets.plain_upsampler(block):
             block.__class__ = upsample_cls
             block._subset_context, block._upsample_index = context, upsamplers
             upsamplers += 1

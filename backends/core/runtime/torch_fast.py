@@ -131,6 +131,8 @@ class FastUNetRuntime:
         # The blocks' token-subset classes now, before any compile: swapped in later (at the first
         # template edit) they fail the compiled halves' guards, and the next capture recompiles them.
         eager.subset_context()
+        # Reusing graphs run the ResNet blocks (and upsamplers) on boxes: there are some to run so
+        self.boxes = bool(config.conv_subsets and self.subsets.box_keys)
         if config.kind == "compiled":
             self._compile(cache_root)
 
@@ -243,7 +245,7 @@ class FastUNetRuntime:
                     batch = _resized(template, rows, h, w)
                     self._warm_edits.add(self._size(self._key(batch, rows)))
                     for share in GRAPH_SHARES:
-                        box = _square(share) if self.eager.conv_subsets else None
+                        box = _square(share) if self.boxes else None
                         self._capture_subsets(batch, rows, share, None, box)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
@@ -319,7 +321,7 @@ class FastUNetRuntime:
         rows = self.bucket_rows(batch.rows)
         if share is None or rows is None:
             return None
-        box = graph_box(batch.tokens, *batch.latent_shape, self.subsets.box_keys) if self.eager.conv_subsets else None
+        box = graph_box(batch.tokens, *batch.latent_shape, self.subsets.box_keys) if self.boxes else None
         bucket = self.buckets.get((*self._key(batch, rows), share, box, batch.tokens.cached))
         if bucket is None:
             bucket = self._capture_subsets(batch, rows, share, batch.tokens.cached, box)
@@ -336,7 +338,7 @@ class FastUNetRuntime:
         runtime runs the ResNet blocks on them, and no box elsewhere: a step without one under
         conv_subsets (a recording made without the ResNet blocks') would compile again."""
         size = self._key(batch, rows)
-        warm = self._size(size) in self._warm_edits and (box is not None) == self.eager.conv_subsets
+        warm = self._size(size) in self._warm_edits and (box is not None) == self.boxes
         eager_halves = not (self.caps.compiled and cached is None and (self.config.miss_captures or warm))
         buffers = self._recorded.setdefault((*batch.latent_shape, rows), RecordedBuffers())
         subsets = StaticSubsets(rows, share, cached, self.eager.subset_context(), buffers, box)
