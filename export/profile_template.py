@@ -1,8 +1,10 @@
 """`easel profile-template`: measures, on the deployment's device and at its image size, what each
 transformer block of the UNet costs on every token and on a mask's tokens (the rest from a
-template's recording), and what one row of its recording takes to load from pinned host memory;
-writes the result (runtime/cache_plan.BlockProfile) into every denoiser of a repository, where
-reusing edits at that size then take the recording only in the blocks where it pays.
+template's recording), and what one row of its recording takes to load from pinned host memory
+(with the runtime's conv_subsets, also a row of the recording's ResNet and upsampler parts, which
+every streamed step loads); writes the result (runtime/cache_plan.BlockProfile) into every denoiser
+of a repository, where reusing edits at that size then take the recording only in the blocks where
+it pays.
 
 Times per UNet row: GPU times from CUDA events on a GPU (median of `iters`), clock times on the
 CPU (where loads cost nothing: the recording is where the compute is).
@@ -108,25 +110,72 @@ def measure_blocks(unet, size: int, rows: int = 2, iters: int = 10) -> list[dict
                 every = tuple(range(rows))
                 entry["with_ms"][str(ratio)] = timed_ms(lambda: masked_rows(block, layout, every, x, text))
             if cuda:  # one step's recorded output of the block, pinned host -> device on a load stream
-                host = torch.empty((rows, tokens, width), dtype=dtype).pin_memory()
-                target = torch.empty_like(host, device=device)
-
-                def load():
-                    with torch.cuda.stream(stream):
-                        target.copy_(host, non_blocking=True)
-                    torch.cuda.current_stream(device).wait_stream(stream)
-                entry["load_ms"] = timed_ms(load)
+                entry["load_ms"] = load_ms(rows * tokens * width * x.element_size(), device, stream, iters)
             out.append(entry)
     return out
 
 
-def as_profile(measured: list[dict], size: int, rows: int) -> BlockProfile:
+def load_ms(nbytes: int, device, stream, iters: int) -> float:
+    """GPU ms of a copy of `nbytes` from pinned host memory to `device` on the load stream `stream`
+    (median of `iters`)."""
+    import torch
+
+    host = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
+    target = torch.empty_like(host, device=device)
+
+    def load():
+        with torch.cuda.stream(stream):
+            target.copy_(host, non_blocking=True)
+        torch.cuda.current_stream(device).wait_stream(stream)
+    return statistics.median(gpu_ms(load, iters, warmup=1))
+
+
+def conv_record_bytes(encoder, decoder, size: int) -> int:
+    """One row's bytes of a step's recording outside the transformer blocks under conv_subsets
+    (runtime/conv_subsets.py: each plain ResNet block's output, norm2's statistics and per-position
+    deviation sums in fp32, each plain upsampler's output), from one step of the UNet's halves."""
+    import torch
+
+    from backends.core.runtime import conv_subsets
+
+    unet = encoder.unet
+    param = next(unet.parameters())
+    cfg, latent, total = unet.config, size // 8, [0]
+
+    def count(module, args, output):
+        if conv_subsets.plain(module):
+            groups, positions = module.norm2.num_groups, output.shape[-2] * output.shape[-1]
+            total[0] += output[0].numel() * output.element_size() + 4 * 2 * groups * (1 + positions)
+        elif conv_subsets.plain_upsampler(module):
+            total[0] += output[0].numel() * output.element_size()
+
+    hooks = [m.register_forward_hook(count) for m in unet.modules()
+             if conv_subsets.plain(m) or conv_subsets.plain_upsampler(m)]
+    try:
+        def zeros(*shape):
+            return torch.zeros(shape, device=param.device, dtype=param.dtype)
+
+        pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
+        time_ids = torch.tensor([[size, size, 0, 0, size, size]], device=param.device, dtype=param.dtype)
+        with torch.inference_mode():
+            text = zeros(1, 77, cfg.cross_attention_dim)
+            emb, mid, skips = encoder(zeros(1, cfg.in_channels, latent, latent), torch.tensor([500.0], device=param.device),
+                                      text, zeros(1, pooled), time_ids)
+            decoder(emb, mid, skips, text)
+    finally:
+        for hook in hooks:
+            hook.remove()
+    return total[0]
+
+
+def as_profile(measured: list[dict], size: int, rows: int, fixed_load_ms: float = 0.0) -> BlockProfile:
+    """`fixed_load_ms`: one row's loads every streamed step makes outside the blocks."""
     def per_row_s(ms: float) -> float:
         return ms / 1e3 / rows
 
     return BlockProfile(size, RATIOS, tuple(
         ProfiledBlock(e["index"], per_row_s(e["without_ms"]), tuple(per_row_s(e["with_ms"][str(r)]) for r in RATIOS),
-                      per_row_s(e["load_ms"])) for e in measured))
+                      per_row_s(e["load_ms"])) for e in measured), fixed_load_ms / 1e3)
 
 
 def profile_template(repo: str | Path, size: int | None = None, iters: int = 10) -> list[Path]:
@@ -144,7 +193,15 @@ def profile_template(repo: str | Path, size: int | None = None, iters: int = 10)
     first = next(d for d in denoisers if (d / "1" / "unet").exists())
     params = read_parameters(first / "config.pbtxt")
     device = "cuda:0" if "KIND_GPU" in (first / "config.pbtxt").read_text() else "cpu"
-    size = size or DenoiserConfig.from_json(params["denoiser"]).limits.default_width
-    unet, _, _ = load_unet_halves(first / "1", Placement(device, params.get("dtype", "fp32")))
-    profile = as_profile(measure_blocks(unet, size, iters=iters), size, rows=2)
+    config = DenoiserConfig.from_json(params["denoiser"])
+    size = size or config.limits.default_width
+    unet, encoder, decoder = load_unet_halves(first / "1", Placement(device, params.get("dtype", "fp32")))
+    fixed_ms = 0.0  # (on a CPU loads cost nothing: the recording is where the compute is)
+    if config.runtime.conv_subsets and device.startswith("cuda"):
+        import torch
+
+        nbytes = conv_record_bytes(encoder, decoder, size)
+        fixed_ms = load_ms(nbytes, device, torch.cuda.Stream(device), iters)
+        log.info("a row of a step's ResNet and upsampler recordings: %.1f MB, %.3f ms to load", nbytes / 1e6, fixed_ms)
+    profile = as_profile(measure_blocks(unet, size, iters=iters), size, rows=2, fixed_load_ms=fixed_ms)
     return [profile.write(d / "1") for d in denoisers]

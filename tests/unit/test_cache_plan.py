@@ -37,7 +37,7 @@ def test_the_plan_is_never_slower_than_computing_every_block_whole():
 
 def test_a_profile_prices_rows_interpolates_ratios_and_round_trips(tmp_path):
     profile = BlockProfile(1024, (0.1, 0.5), (ProfiledBlock(7, 2.0, (0.5, 1.5), 1.0),
-                                              ProfiledBlock(3, 1.0, (2.0, 2.0), 0.0)))
+                                              ProfiledBlock(3, 1.0, (2.0, 2.0), 0.0)), fixed_load_s=0.25)
     (first, second) = profile.costs(0.3, rows=2, loaded_rows=2)
     assert first == BlockCost(2 * 1.0, 2 * 2.0, 2 * 1.0)  # halfway between 0.5 and 1.5, per row
     assert profile.costs(0.05, 1)[0] == BlockCost(0.5, 2.0, 0.0)  # below the first ratio: held flat
@@ -77,3 +77,21 @@ def test_stream_plans_load_what_the_previous_step_hides():
     assert plans(1.5) == (None, [1, 2], None)
     assert plans(5.0) == (None, [2], [1])
     assert plans(5.0, loaded_rows=0) == (None,) * 3  # on the device: nothing to load
+
+
+def test_loads_outside_the_blocks_come_first():
+    """The profile of test_stream_plans_load_what_the_previous_step_hides with 1.5 s loads, and 1 s
+    a row of loads outside the transformer blocks (the ResNet blocks' recordings) every step:
+    loaded within the step, block 1's load now ends at 2.5 and the block at 3.5, whole at 4: cache;
+    block 2's ends at 4, the block at 5, whole at 5.5: cache (block 0: whole, as before). Ahead of
+    the step (3 s of lead), block 2's load ends at 2.5 and every block still takes the recording.
+    With 3 s of such loads a row: within the step block 2 only (its load ends at 4.5, the block at
+    5.5, whole at 6); ahead, not block 0 (its load ends at 1.5, the block at 2.5, whole at 2)."""
+    def plans(fixed_s):
+        profile = BlockProfile(64, (0.2,), tuple(ProfiledBlock(i, 2.0, (1.0,), 1.5) for i in range(3)), fixed_s)
+        got = profile.stream_plans(0.2, rows=1, loaded_rows=1)
+        return tuple(None if blocks is None else sorted(blocks) for blocks in (got.now, got.first, got.ahead))
+
+    assert plans(1.0) == (None, [1, 2], None)
+    assert plans(3.0) == (None, [2], [1, 2])
+    assert plan_cache_use([BlockCost(1.0, 2.0, 0.0)] * 2, fixed_load_s=5.0).use == (False, False)

@@ -11,7 +11,9 @@ never waits longer than computing whole would have taken, so loading adds no bub
 
 Loads issued a step ahead (a recording streamed from host memory, engine/template_stream.py)
 start `lead_s` before the step's first block: the previous step's compute hides them, and the
-plan takes every block it would take from the device unless the loads outlast that step.
+plan takes every block it would take from the device unless the loads outlast that step. A
+streamed recording's parts outside the transformer blocks (the ResNet blocks' and upsamplers'
+under conv_subsets) are loaded every step whatever the plan: `fixed_load_s`, ahead of the blocks'.
 
 The times come from a measured profile (`BlockProfile`, written into a denoiser's folder as
 `template_blocks.json` by `easel profile-template`): each block's time on every token, on a
@@ -50,10 +52,11 @@ class CachePlan:
         return sum(self.use)
 
 
-def plan_cache_use(costs: Sequence[BlockCost], lead_s: float = 0.0) -> CachePlan:
+def plan_cache_use(costs: Sequence[BlockCost], lead_s: float = 0.0, fixed_load_s: float = 0.0) -> CachePlan:
     """Algorithm 1: per block, use the cache if that ends the block no later than computing it
-    whole; the loads start `lead_s` before the first block."""
-    load, comp = -lead_s, 0.0
+    whole; the loads start `lead_s` before the first block, the blocks' after `fixed_load_s` of
+    loads every step makes."""
+    load, comp = fixed_load_s - lead_s, 0.0
     use = []
     for cost in costs:
         with_cache = max(load + cost.load_s, comp) + cost.with_cache_s
@@ -95,6 +98,9 @@ class BlockProfile:
     size: int
     ratios: tuple[float, ...]
     blocks: tuple[ProfiledBlock, ...]
+    # One row of a step's recording outside the transformer blocks (the ResNet blocks' and
+    # upsamplers' under conv_subsets), host to device: loaded every step whatever the plan
+    fixed_load_s: float = 0.0
 
     def costs(self, share: float, rows: int, loaded_rows: int = 0) -> list[BlockCost]:
         """The blocks' costs for `rows` reusing rows whose largest share of tokens computed is
@@ -107,9 +113,10 @@ class BlockProfile:
         """The plans of a step whose `loaded_rows` stream their recordings a step ahead."""
         resident = plan_cache_use(self.costs(share, rows))
         costs = self.costs(share, rows, loaded_rows)
+        fixed = loaded_rows * self.fixed_load_s
         # The next step's loads run beside this step, which takes at least its resident plan's time.
-        return StreamPlans(self._indices(resident), self._indices(plan_cache_use(costs)),
-                           self._indices(plan_cache_use(costs, lead_s=resident.latency_s)))
+        return StreamPlans(self._indices(resident), self._indices(plan_cache_use(costs, fixed_load_s=fixed)),
+                           self._indices(plan_cache_use(costs, lead_s=resident.latency_s, fixed_load_s=fixed)))
 
     def _indices(self, plan: CachePlan) -> frozenset[int] | None:
         """The blocks `plan` takes the recording in; None where it takes it in every one."""
@@ -119,9 +126,9 @@ class BlockProfile:
 
     def write(self, folder: str | Path) -> Path:
         path = Path(folder) / PROFILE_FILE
-        path.write_text(json.dumps({"size": self.size, "ratios": list(self.ratios), "blocks": [
-            {"index": b.index, "without_s": b.without_s, "with_s": list(b.with_s), "load_s": b.load_s}
-            for b in self.blocks]}, indent=1))
+        path.write_text(json.dumps({"size": self.size, "ratios": list(self.ratios), "fixed_load_s": self.fixed_load_s,
+                                    "blocks": [{"index": b.index, "without_s": b.without_s, "with_s": list(b.with_s),
+                                                "load_s": b.load_s} for b in self.blocks]}, indent=1))
         return path
 
     @classmethod
@@ -136,7 +143,7 @@ class BlockProfile:
                                      float(b["load_s"])) for b in data["blocks"])
         if not ratios or list(ratios) != sorted(ratios) or any(len(b.with_s) != len(ratios) for b in blocks):
             raise ValueError(f"{path}: ratios must be sorted and every block timed at each of them")
-        return cls(int(data["size"]), ratios, blocks)
+        return cls(int(data["size"]), ratios, blocks, float(data.get("fixed_load_s", 0.0)))  # (older files: none)
 
 
 def _interpolate(xs: Sequence[float], ys: Sequence[float], x: float) -> float:
