@@ -13,7 +13,8 @@ Loads issued a step ahead (a recording streamed from host memory, engine/templat
 start `lead_s` before the step's first block: the previous step's compute hides them, and the
 plan takes every block it would take from the device unless the loads outlast that step. A
 streamed recording's parts outside the transformer blocks (the ResNet blocks' and upsamplers'
-under conv_subsets) are loaded every step whatever the plan: `fixed_load_s`, ahead of the blocks'.
+under conv_subsets) are loaded every step whatever the plan: `fixed_load_s`, counted before the
+blocks' loads.
 
 The times come from a measured profile (`BlockProfile`, written into a denoiser's folder as
 `template_blocks.json` by `easel profile-template`): each block's time on every token, on a
