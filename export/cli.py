@@ -9,6 +9,19 @@ import sys
 from backends.core.serving.routing import MEASURES as ROUTING_MEASURES
 
 
+def _share_ratio(text: str) -> float | None:
+    """--edit-share-ratio: a number of 1 or more, or none."""
+    if text.strip().lower() == "none":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--edit-share-ratio: {text!r} is not a number or 'none'") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"--edit-share-ratio: {value:g} is below 1")
+    return value
+
+
 def gib_triple(text: str) -> tuple[float, float, float]:
     """An argparse type: --template-cache-gib's DEVICE,HOST,DISK."""
     try:
@@ -118,6 +131,10 @@ def parser() -> argparse.ArgumentParser:
                      help="GiB per denoiser of templates' recorded activations (the `template` input) on the "
                           "device, in host memory and on disk (<denoiser>/1/template_cache/; kept across restarts) "
                           "(default: 8,0,0)")
+    exp.add_argument("--edit-share-ratio", type=_share_ratio, default=2.0, metavar="R",
+                     help="template edits that reuse a recording share a step only while its largest share of "
+                          "computed tokens is at most R times its smallest (a step pads every row to its largest); "
+                          "'none': whatever their shares (default: 2)")
     exp.add_argument("--controlnet-gpus", type=_gpus, default=None,
                      help="GPU ids of the ControlNet service (default: the denoisers' GPUs, both of each "
                           "--cfg-parallel pair)")
@@ -208,7 +225,8 @@ def main(argv: list[str] | None = None) -> int:
                                 channels_last=args.channels_last, fused_kernels=args.fused_kernels,
                                 vae_attention=args.vae_attention, vae_dtype=args.vae_dtype, fp8=args.fp8,
                                 fp8_fast_accum=args.fp8_fast_accum, template_cache_gib=args.template_cache_gib,
-                                conv_subsets=args.conv_subsets, warmup_template_edits=args.warmup_template_edits)
+                                conv_subsets=args.conv_subsets, warmup_template_edits=args.warmup_template_edits,
+                                edit_share_ratio=args.edit_share_ratio)
         export_repository(args.model, args.out, options)
         return 0
     if args.command == "profile-lora":

@@ -70,6 +70,7 @@ class ExportOptions:
     controlnet_row_split: bool = False  # DenoiserConfig.controlnet_row_split
     # GiB per denoiser of templates' recordings on the device, in host memory, on disk (engine/template_cache.py)
     template_cache_gib: tuple[float, float, float] = (8.0, 0.0, 0.0)
+    edit_share_ratio: float | None = 2.0  # DenoiserConfig.edit_share_ratio
     onnx: bool = False  # also write <model>/1/onnx/<component>.onnx (export/onnx_export.py)
     # The UNet runtime (backends/core/runtime/config.py): eager | graphs | compiled; default: the
     # fast one on a GPU, eager on CPU.
@@ -292,7 +293,7 @@ def export_repository(model_dir: str | Path, out_dir: str | Path, options: Expor
             controlnet_row_split=options.controlnet_row_split,
             controlnet_instances=service.count * max(1, len(service.gpus)),
             template_cache_mib=tuple(int(g * 1024) for g in options.template_cache_gib),
-            cfg_parallel_device=cfg_device)
+            edit_share_ratio=options.edit_share_ratio, cfg_parallel_device=cfg_device)
         params = {**engine_params, "denoiser": config.to_json()}
         if options.adapters:
             params["adapters"] = store

@@ -13,6 +13,12 @@ against `outside + blocks` exactly. The report gives that ratio per mask ratio; 
 ResNet blocks shrunk to the mask's share, and with the upsamplers too (what `--conv-subsets` does,
 on the mask's box: its halo is not counted); and the ratio if the whole outside shrank (a bound).
 
+A batch of edits with different masks (`batch_speedups`): eight edits with InstGenIE's mask ratios
+(clients/bench/edits.trace_ratios, as `easel bench --edit`'s throughput) run to their end through
+the step batcher (engine/step_batcher.py), each step costing its rows at its largest mask (a
+reusing step pads every row to it, boxes too), with and without `max_share_ratio`'s grouping;
+against exact, and against every edit at its own mask (the bound of packing each row's work).
+
     python3 -m bench.micro.template_flops --work /tmp/easel-tf --out tf.json --size 1024   # SDXL shapes
 """
 
@@ -107,6 +113,45 @@ def speedups(flops: dict, size: int, ratio: float) -> dict:
             "speedup_outside_shrunk": flops["total"] / (ratio * outside + in_blocks)}
 
 
+def row_flops(flops: dict, share: float) -> float:
+    """One reusing row's FLOPs at a token share `share` on every grid, the ResNet blocks and
+    upsamplers on the same share (--conv-subsets; halos not counted)."""
+    convs = flops["resnets"] + flops["upsamplers"]
+    return flops["outside"] - (1 - share) * convs + sum(b["kv"] + share * (b["flops"] - b["kv"]) for b in flops["blocks"])
+
+
+def batch_speedups(flops: dict, edits: int = 8, draws: int = 200, share_ratios=(None, 2.0)) -> dict:
+    """Ideal speed-ups over exact of `edits` reusing edits batched by the step batcher, per
+    `max_share_ratio` (None: one step of every edit), and with each edit at its own mask (packed),
+    means over `draws` draws of their mask ratios."""
+    from backends.core.engine.step_batcher import BatcherConfig, SeqState, StepBatcher, StepOutput
+    from clients.bench.edits import trace_ratios
+
+    steps, rows = 10, 2
+    exact = edits * steps * rows * flops["total"]
+    totals = {str(r): [] for r in share_ratios} | {"packed": []}
+    step_counts = {str(r): [] for r in share_ratios}
+    for seed in range(draws):
+        shares = trace_ratios(edits, seed)
+        totals["packed"].append(sum(steps * rows * row_flops(flops, s) for s in shares))
+        for ratio in share_ratios:
+            batcher = StepBatcher(BatcherConfig(max_running=edits, max_batch_rows=rows * edits, max_share_ratio=ratio))
+            for i, s in enumerate(shares):
+                batcher.add(SeqState(str(i), steps, (128, 128), rows, float(i), template="reused", token_share=s))
+            total = plans = 0
+            while batcher.has_work():
+                plan = batcher.schedule()
+                widest = max(shares[int(rid)] for rid in plan.request_ids)
+                total += rows * len(plan.request_ids) * row_flops(flops, widest)
+                plans += 1
+                batcher.update(plan, StepOutput())
+            totals[str(ratio)].append(total)
+            step_counts[str(ratio)].append(plans / steps)
+    return {"edits": edits, "draws": draws,
+            "speedup": {k: exact / (sum(v) / len(v)) for k, v in totals.items()},
+            "steps_per_round": {k: sum(v) / len(v) for k, v in step_counts.items()}}
+
+
 def main() -> None:
     p = bench_parser(__doc__, size=1024, steps=1)
     p.add_argument("--variant", default="sdxl", help="export/tiny.py's UNet variant (sdxl: SDXL base's shapes)")
@@ -129,7 +174,11 @@ def main() -> None:
                  "blocks shrunk", row["mask_ratio"], ", ".join(f"{v:.0%}" for v in row["token_shares"].values()),
                  row["speedup"], row["speedup_resnets_shrunk"], row["speedup_convs_shrunk"],
                  row["speedup_outside_shrunk"])
-    write_json(args.out, {"variant": args.variant, "flops": flops, "ratios": rows})
+    batch = batch_speedups(flops)
+    log.info("eight edits with InstGenIE's mask ratios, batched: ideal speed-up %s; steps a round %s",
+             ", ".join(f"{k} {v:.2f}x" for k, v in batch["speedup"].items()),
+             ", ".join(f"{k} {v:.2f}" for k, v in batch["steps_per_round"].items()))
+    write_json(args.out, {"variant": args.variant, "flops": flops, "ratios": rows, "batch": batch})
 
 
 if __name__ == "__main__":

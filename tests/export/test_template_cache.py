@@ -260,6 +260,21 @@ def test_the_export_flag_sizes_each_tier():
         DenoiserConfig(template_cache_mib=(1, 2))
 
 
+def test_the_share_ratio_of_reusing_steps_is_an_export_option():
+    import argparse
+
+    from backends.core.engine.config import DenoiserConfig
+    from export.cli import _share_ratio
+
+    assert _share_ratio("3") == 3.0 and _share_ratio("none") is None
+    for bad in ("0.5", "x"):
+        with pytest.raises(argparse.ArgumentTypeError, match="--edit-share-ratio"):
+            _share_ratio(bad)
+    assert DenoiserConfig.from_json(DenoiserConfig(edit_share_ratio=None).to_json()).edit_share_ratio is None
+    with pytest.raises(ValueError, match="denoiser.edit_share_ratio: 0.5 is below 1"):
+        DenoiserConfig(edit_share_ratio=0.5)
+
+
 def test_edits_of_different_masks_share_a_step(setup):
     """Two reusing edits with masks of different sizes in one step (their tokens padded to the
     longer's) give what each gives alone."""

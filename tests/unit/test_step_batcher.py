@@ -438,3 +438,42 @@ def test_template_edits_share_steps_only_with_edits_that_use_their_template_alik
                 dataclasses.replace(seq("d"), template="reused"), dataclasses.replace(seq("e"), template="recorded"))
     plans, _ = drain(s)
     assert {p.request_ids for p in plans} == {("a", "c"), ("b", "d"), ("e",)}
+
+
+def reusing(rid: str, share: float, arrival: float = 0.0) -> SeqState:
+    return dataclasses.replace(seq(rid, steps=4, arrival=arrival), template="reused", token_share=share)
+
+
+def test_reusing_edits_share_a_step_only_within_the_ratio_of_their_token_shares():
+    """Each step pads every reusing row to its largest share: edits of 5-9% of the tokens always
+    step together, the 20%, 30% and 60% ones in pairs within 2x (the default) as they lead, never
+    with the narrow ones; three steps a round, not one step padded to 60%."""
+    shares = {"a": 0.05, "b": 0.3, "c": 0.09, "d": 0.6, "e": 0.2, "f": 0.06}
+    s = batcher(16, 16, *(reusing(rid, share, arrival=i) for i, (rid, share) in enumerate(shares.items())))
+    plans, left = drain(s)
+    assert len(left) == 6 and len(plans) == 3 * 4
+    assert [p.request_ids for p in plans if "a" in p.request_ids] == [("a", "c", "f")] * 4
+    assert all(len(ticks) == 4 for ticks in served_ticks(plans).values())
+    for plan in plans:  # (a step's widest share at most twice its narrowest)
+        step = [shares[rid] for rid in plan.request_ids]
+        assert max(step) <= 2 * min(step)
+
+
+def test_without_a_ratio_reusing_edits_of_any_share_step_together():
+    s = StepBatcher(BatcherConfig(max_share_ratio=None))
+    for i, share in enumerate((0.05, 0.3, 0.6)):
+        s.add(reusing(str(i), share, arrival=i))
+    plans, _ = drain(s)
+    assert {p.request_ids for p in plans} == {("0", "1", "2")}
+    with pytest.raises(ValueError, match="max_share_ratio: 0.5 is below 1"):
+        StepBatcher(BatcherConfig(max_share_ratio=0.5))
+
+
+def test_the_request_served_least_recently_still_leads_among_shares():
+    """A narrow edit beside a stream of wide ones (and the reverse) is never starved: it leads a
+    step whenever it is the stalest."""
+    s = batcher(16, 16, reusing("narrow", 0.05), reusing("wide1", 0.5, 1), reusing("wide2", 0.45, 2))
+    plans, _ = drain(s)
+    ticks = served_ticks(plans)
+    assert len(ticks["narrow"]) == 4 and max_gap(ticks["narrow"]) <= 2
+    assert all(("narrow" in p.request_ids) != ("wide1" in p.request_ids) for p in plans)

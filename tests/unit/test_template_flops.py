@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.micro.template_flops import count, speedups
+from bench.micro.template_flops import batch_speedups, count, speedups
 
 
 def test_a_reusing_edits_ideal_speedup_follows_its_mask():
@@ -23,3 +23,12 @@ def test_a_reusing_edits_ideal_speedup_follows_its_mask():
     assert small["speedup_outside_shrunk"] > small["speedup_convs_shrunk"] > small["speedup_resnets_shrunk"] \
         > small["speedup"]
     assert 0 < flops["upsamplers"] < flops["resnets"] < flops["outside"]
+
+
+def test_grouping_edits_by_token_share_lowers_a_mixed_batchs_ideal_cost():
+    """Eight edits through the step batcher: one step padded to the widest mask costs most, steps
+    grouped within 2x of their shares less, every edit at its own mask least."""
+    batch = batch_speedups(count(256), draws=5)
+    speedup = batch["speedup"]
+    assert speedup["packed"] > speedup["2.0"] > speedup["None"] > 1.0
+    assert batch["steps_per_round"]["None"] == 1.0 < batch["steps_per_round"]["2.0"]

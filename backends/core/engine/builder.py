@@ -145,7 +145,8 @@ def build_denoiser(config: DenoiserConfig, folder: str | Path, placement: Placem
     bounds_file = folder / BOUNDS_FILE
     bounds = json.loads(bounds_file.read_text()) if bounds_file.exists() else {}
     loop = DenoiseLoop(engine, on_done, BatcherConfig(max_running=config.max_running,
-                                                        max_batch_rows=config.max_batch_rows), publish_load)
+                                                        max_batch_rows=config.max_batch_rows,
+                                                        max_share_ratio=config.edit_share_ratio), publish_load)
     return Denoiser(config, engine, loop, store, loader, bounds, warmup_s)
 
 

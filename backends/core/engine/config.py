@@ -49,6 +49,9 @@ class DenoiserConfig:
     # MiB of templates' recorded activations on the device, in host memory and on disk, in the
     # folder template_cache/ beside the denoiser's weights (engine/template_cache.py).
     template_cache_mib: tuple[int, int, int] = (8192, 0, 0)
+    # Reusing template edits share a step only within this ratio of token shares (None: any;
+    # engine/step_batcher.BatcherConfig.max_share_ratio)
+    edit_share_ratio: float | None = 2.0
 
     def __post_init__(self):
         if isinstance(self.limits, dict):
@@ -63,6 +66,8 @@ class DenoiserConfig:
             raise ValueError(f"denoiser.template_cache_mib: {self.template_cache_mib} is not three sizes of 0 or more")
         if self.max_queue < 0:
             raise ValueError(f"denoiser.max_queue: {self.max_queue} is negative")
+        if self.edit_share_ratio is not None and self.edit_share_ratio < 1:
+            raise ValueError(f"denoiser.edit_share_ratio: {self.edit_share_ratio} is below 1")
         if self.lora_bound_steps < 0:
             raise ValueError(f"denoiser.lora_bound_steps: {self.lora_bound_steps} is negative")
         if self.cfg_parallel_device is not None and not (

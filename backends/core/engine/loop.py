@@ -212,9 +212,11 @@ class DenoiseLoop:
             started = time.monotonic()
             state = self.engine.start(job)
             state.admit_s = time.monotonic() - started
+            reused = state.template_use == "reused"
             seq = SeqState(request_id=job.request_id, steps=len(state.timesteps),
                            shape=tuple(state.latents.shape[-2:]), rows=state.rows, arrival=job.arrival,
-                           template=state.template_use if state.template_use in ("recorded", "reused") else None)
+                           template=state.template_use if state.template_use in ("recorded", "reused") else None,
+                           token_share=state.token_share if reused else None)
             self.batcher.add(seq)
         except Exception as exc:
             if failure_kind(exc) == "failed":  # our fault: its traceback (refusals: the adapter logs one line)
