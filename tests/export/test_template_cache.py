@@ -360,7 +360,8 @@ def test_a_name_given_to_another_template_records_anew(setup):
 def test_a_reusing_edit_is_priced_by_its_share_of_tokens(setup):
     """What the routers read is mask-aware: the loop tells its cost model (engine/step_cost.py)
     each step's work weighted by the share of block tokens its rows compute; a reusing edit's
-    share is its mask's, a recording edit's whole."""
+    share is its mask's, a recording edit's whole. The step batcher sees the reusing edit's share
+    (it groups such edits by it), and none for the recording one."""
     from backends.core.engine.loop import DenoiseLoop
     from tests.unit.test_denoise_loop import Results
 
@@ -368,6 +369,9 @@ def test_a_reusing_edit_is_priced_by_its_share_of_tokens(setup):
     for rid, share in (("record-priced", 1.0), ("reuse-priced", None)):
         results = Results()
         loop = DenoiseLoop(cached, results, publish_load=lambda load: None)
+        seen, select = [], loop.batcher.policy.select
+        loop.batcher.policy.select = lambda runnable, rows: seen.extend(s.token_share for s in runnable) or \
+            select(runnable, rows)
         loop.start()
         loop.submit(job(setup, rid, seed=21))
         (result,) = results.wait([rid])
@@ -377,9 +381,9 @@ def test_a_reusing_edit_is_priced_by_its_share_of_tokens(setup):
         assert records and all(r.units > 0 for r in records)
         shares = {r.token_units / r.units for r in records}
         if share is None:  # the tiny UNet's coarse token grids widen a 25% mask to about 60% of tokens
-            assert len(shares) == 1 and 0.1 < shares.pop() < 0.9, shares
+            assert len(shares) == 1 and set(seen) == shares and 0.1 < shares.pop() < 0.9, shares
         else:
-            assert shares == {share}
+            assert shares == {share} and set(seen) == {None}
 
 
 def test_an_edit_whose_recording_loads_is_held_while_others_step(setup, tmp_path):
