@@ -18,10 +18,13 @@ import numpy as np
 import pytest
 
 from backends.core.engine.denoiser import TorchDenoiser
+from backends.core.engine.step_batcher import BatcherConfig
 from backends.core.runtime.placement import Placement
 from export.repository import ExportOptions, export_repository
 from tests.export.test_inpaint_engine import SIZE, TOL, edit_job
 from tests.unit.test_denoise_loop import run
+
+ANY_SHARES = BatcherConfig(max_share_ratio=None)  # reusing edits of any token shares in one step
 
 APPROXIMATE = 0.25  # the deviation bound of a reused recording, of the exact latents' largest magnitude
 
@@ -277,7 +280,11 @@ def test_the_share_ratio_of_reusing_steps_is_an_export_option():
 
 def test_edits_of_different_masks_share_a_step(setup):
     """Two reusing edits with masks of different sizes in one step (their tokens padded to the
-    longer's) give what each gives alone."""
+    longer's; the batcher told to join them whatever their shares) give what each gives alone, and
+    the loop prices each such step by its wider mask, which every row is padded to."""
+    from backends.core.engine.loop import DenoiseLoop
+    from tests.unit.test_denoise_loop import Results
+
     exact, cached, encoder, pipe, image, mask = setup
     small = np.zeros_like(mask)
     small[8:24, 40:56] = 255
@@ -287,10 +294,23 @@ def test_edits_of_different_masks_share_a_step(setup):
     arrays = encoded(pipe, image, small)
     narrow = dataclasses.replace(narrow, edit=dataclasses.replace(narrow.edit, **arrays))
     alone = [latents(cached, j) for j in (wide, narrow)]
-    together = run(cached, [wide, narrow])
+    results = Results()
+    loop = DenoiseLoop(cached, results, ANY_SHARES)
+    steps, select = [], loop.batcher.policy.select
+    loop.batcher.policy.select = lambda runnable, rows: steps.append(select(runnable, rows)) or steps[-1]
+    loop.start()
+    for j in (wide, narrow):
+        loop.submit(j)
+    together = results.wait(["wide", "narrow"])
+    loop.shutdown()
     assert all(r.error is None for r in together)
     for got, want in zip(together, alone):
         assert np.abs(got.latents - want).max() <= TOL
+    shared = [s for s in steps if len(s) == 2]
+    assert shared and len({s.token_share for s in shared[0]}) == 2  # two shares, one step
+    shares = sorted(s.token_share for s in shared[0])
+    # (each step priced at its widest row: the wider share where both stepped, never their mean)
+    assert all(any(r.token_units / r.units == pytest.approx(s) for s in shares) for r in loop.stats.take())
 
 
 def test_resnet_blocks_on_the_masks_box(setup):
@@ -322,7 +342,7 @@ def test_resnet_blocks_on_the_masks_box(setup):
     narrow = job(setup, "narrow", prompt="a blue window", template="arch")
     narrow = dataclasses.replace(narrow, edit=dataclasses.replace(narrow.edit, **encoded(pipe, image, small)))
     alone = [latents(convs, j) for j in (edit, narrow)]
-    together = run(convs, [edit, narrow])
+    together = run(convs, [edit, narrow], ANY_SHARES)
     for got, want in zip(together, alone):
         assert got.error is None and np.abs(got.latents - want).max() <= TOL
 

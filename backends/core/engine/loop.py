@@ -144,9 +144,10 @@ class DenoiseLoop:
             if new is None:
                 clock.discard()
             else:  # (a request whose first step failed has not had one)
-                units = [s.job.params.work(1) for s in batch]
+                units = sum(s.job.params.work(1) for s in batch)
+                # (a step pads every reusing row to its widest mask: it costs that share on every row)
                 clock.end(sum(s.rows for s in batch), tuple(s.job.arrival for s in new if s.index == 1), self.stats,
-                          sum(units), sum(u * s.token_share for u, s in zip(units, batch)))
+                          units, units * max(s.token_share for s in batch))
         for rid in list(self.states):
             self._abort(rid, Status.FAILED, "the denoiser is shutting down")
         self._count()

@@ -8,8 +8,8 @@ with the share of tokens computed. A step of a batch then takes
 
     seconds = row_step_s * (dense * units + (1 - dense) * token_units)
 
-where `units` are the batch's row-steps and `token_units` the same weighted by each row's share of
-tokens computed (1 for every row that is not a reusing edit). `row_step_s` is learned from steps
+where `units` are the batch's row-steps and `token_units` the same weighted by the step's largest
+share of tokens computed (a reusing step pads every row to it; 1 for a step of no reusing edit). `row_step_s` is learned from steps
 without reusing edits, `dense` from steps with them; both as medians of the last steps, so that
 they follow the batch sizes the denoiser actually runs, and a step that waited on something else
 (a graph captured, a compile, a merge, a slow ControlNet) is outvoted instead of pricing the
