@@ -43,8 +43,8 @@ class StepRecord:
     orchestration_s: float  # the step's wall time less the three above
     # Time to first step of each request whose first step this was.
     first_step_s: tuple[float, ...] = ()
-    # Its work in 1024x1024 row-steps, and the same weighted by each row's share of block tokens
-    # computed (engine/step_cost.py); 0 where the caller did not say.
+    # Its work in 1024x1024 row-steps, and the same weighted by the step's largest share of block
+    # tokens computed (engine/step_cost.py); 0 where the caller did not say.
     units: float = 0.0
     token_units: float = 0.0
 
