@@ -232,9 +232,7 @@ def static_region(block, x: torch.Tensor, temb: torch.Tensor, tokens: torch.Tens
     that box."""
     rows, channels, height, width = x.shape
     bh, bw = spans[0].shape[0], spans[1].shape[0]
-    r, c = tokens // width, tokens % width
-    own_top, own_bottom = (r.amin(1) - MARGIN).clamp_min(0), (r.amax(1) + 1 + MARGIN).clamp_max(height)
-    own_left, own_right = (c.amin(1) - MARGIN).clamp_min(0), (c.amax(1) + 1 + MARGIN).clamp_max(width)
+    own_top, own_bottom, own_left, own_right = _own_box(tokens, height, width)
     top, left = own_top.clamp_max(height - bh), own_left.clamp_max(width - bw)
 
     def places(pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -286,11 +284,9 @@ def static_upsample(block, x: torch.Tensor, tokens: torch.Tensor, spans: tuple, 
     rows, channels, height, width = x.shape
     out_h, out_w = 2 * height, 2 * width
     bh, bw = spans[0].shape[0], spans[1].shape[0]
-    r, c = tokens // width, tokens % width
-    top = (2 * (r.amin(1) - MARGIN).clamp_min(0) - 1).clamp_min(0)
-    bottom = (2 * (r.amax(1) + 1 + MARGIN).clamp_max(height) + 1).clamp_max(out_h)
-    left = (2 * (c.amin(1) - MARGIN).clamp_min(0) - 1).clamp_min(0)
-    right = (2 * (c.amax(1) + 1 + MARGIN).clamp_max(width) + 1).clamp_max(out_w)
+    top, bottom, left, right = _own_box(tokens, height, width)
+    top, bottom = (2 * top - 1).clamp_min(0), (2 * bottom + 1).clamp_max(out_h)
+    left, right = (2 * left - 1).clamp_min(0), (2 * right + 1).clamp_max(out_w)
     # [rows, bh + 2]: the box widened by 1, output rows
     gr = top.clamp_max(out_h - bh)[:, None] + _reach(bh, 1, x.device)
     gc = left.clamp_max(out_w - bw)[:, None] + _reach(bw, 1, x.device)
@@ -304,6 +300,14 @@ def static_upsample(block, x: torch.Tensor, tokens: torch.Tensor, spans: tuple, 
     own = _within(gr, gc, top, bottom, left, right)
     y = torch.where(own[:, None], y, _gather(recorded, flat).reshape(y.shape))
     return _scatter(recorded, flat, y)
+
+
+def _own_box(tokens: torch.Tensor, height: int, width: int) -> tuple[torch.Tensor, ...]:
+    """Each row's box of its computed `tokens` ([rows, n] on a height x width grid), widened by
+    MARGIN within the grid: (top, bottom, left, right), each [rows] (widened(), on the device)."""
+    r, c = tokens // width, tokens % width
+    return ((r.amin(1) - MARGIN).clamp_min(0), (r.amax(1) + 1 + MARGIN).clamp_max(height),
+            (c.amin(1) - MARGIN).clamp_min(0), (c.amax(1) + 1 + MARGIN).clamp_max(width))
 
 
 def _reach(side, pad: int, device: torch.device) -> torch.Tensor:
