@@ -373,9 +373,9 @@ def zeros_as(x: torch.Tensor, shape: tuple) -> torch.Tensor:
 
 def _window(x: torch.Tensor, gr: torch.Tensor, gc: torch.Tensor) -> torch.Tensor:
     """x [rows, ..., H, W] on each row's window of grid rows `gr` [rows, h] and columns `gc`
-    [rows, w] (on the grid): [rows, ..., h, w], in x's layout. Indexed in two dimensions, so that
-    a compile never unflattens a product of the window's symbolic sides (sympy's divisibility
-    reasoning on such views made one compile of SDXL's reusing encoder take 4x as long)."""
+    [rows, w] (on the grid): [rows, ..., h, w], in x's layout. Indexed in two dimensions: no
+    product of the window's sides is unflattened, which a compile with the sides symbolic would
+    have to prove divisible."""
     rows = torch.arange(x.shape[0], device=x.device)[:, None, None]
     # advanced indices around the middle dimensions: [rows, h, w, ...], then the grid moved back
     y = x[rows, ..., gr[:, :, None], gc[:, None, :]].movedim((1, 2), (-2, -1))
