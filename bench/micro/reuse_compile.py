@@ -63,8 +63,8 @@ def compile_step(model, device: str, size: int, boxes: bool, backend: str, rows:
     mask = torch.zeros(1, 1, side, side)
     lo, hi = int(side * 0.28), int(side * 0.72)  # a fifth of the latent
     mask[..., lo:hi, lo:hi] = 1
-    layout = TokenLayout(tuple(TokenRow(REUSE, template, 0, r, computed_tokens(mask, levels), masked_boxes(mask, levels))
-                               for r in range(rows)))
+    computed, boxes_of = computed_tokens(mask, levels), masked_boxes(mask, levels)
+    layout = TokenLayout(tuple(TokenRow(REUSE, template, 0, r, computed, boxes_of) for r in range(rows)))
     box = graph_box(layout, side, side, runtime.subsets.box_keys) if boxes else None
     static = StaticSubsets(rows, graph_share(layout), None, runtime.subsets, RecordedBuffers(), box)
     step(static, args, runtime.encoder, runtime.decoder)  # the buffers, made eager (as the runtime does)
@@ -86,7 +86,8 @@ def compile_step(model, device: str, size: int, boxes: bool, backend: str, rows:
 def main() -> None:
     p = bench_parser(__doc__, size=128, steps=1)
     p.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
-    p.add_argument("--random-sdxl", action="store_true", help="SDXL base's shapes, random fp16 weights (else the tiny UNet)")
+    p.add_argument("--random-sdxl", action="store_true",
+                   help="SDXL base's shapes, random fp16 weights (else the tiny UNet)")
     p.add_argument("--backend", default="inductor", help="torch.compile's backend (inductor, aot_eager)")
     p.add_argument("--variants", default=",".join(VARIANTS), help=f"comma-separated, of {', '.join(VARIANTS)}")
     args = p.parse_args()
