@@ -69,7 +69,7 @@ def compile_step(model, device: str, size: int, boxes: bool, backend: str, rows:
     static = StaticSubsets(rows, graph_share(layout), None, runtime.subsets, RecordedBuffers(), box)
     step(static, args, runtime.encoder, runtime.decoder)  # the buffers, made eager (as the runtime does)
     want = step(static, args, runtime.encoder, runtime.decoder, fill=layout)
-    torch._dynamo.reset()
+    torch._dynamo.reset()  # a cold start, whatever ran before
     for t in args:  # as cuda_graphs.capture marks a compiled capture's inputs
         torch._dynamo.maybe_mark_dynamic(t, 0)
     encoder, decoder = (torch.compile(f, backend=backend) for f in (runtime.encoder, runtime.decoder))
@@ -78,7 +78,6 @@ def compile_step(model, device: str, size: int, boxes: bool, backend: str, rows:
     if device == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start
-    torch._dynamo.reset()
     return {"compile_s": seconds, "box": box, "token_share": static.share,
             "max_rel_err": float((got.float() - want.float()).abs().max() / want.float().abs().max())}
 

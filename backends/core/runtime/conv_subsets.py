@@ -258,6 +258,7 @@ def _resnet_box(x, temb_proj, tokens, box_h, box_w, recorded, norm2_stats, norm2
     bh, bw = box_h.shape[0], box_w.shape[0]
     own_top, own_bottom, own_left, own_right = _own_box(tokens, height, width)
     top, left = own_top.clamp_max(height - bh), own_left.clamp_max(width - bw)
+    rows = _rows(x)
 
     def places(pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
         """The box widened by `pad`: its grid rows [rows, bh'] and columns [rows, bw'], as they are
@@ -266,7 +267,7 @@ def _resnet_box(x, temb_proj, tokens, box_h, box_w, recorded, norm2_stats, norm2
         return gr, gc, gr.clamp(0, height - 1), gc.clamp(0, width - 1)
 
     gr, gc, cr, cc = places(2)
-    a1 = F.silu(_group_normed(_window(x, cr, cc), _stats(x, groups1), groups1, eps1, norm1_weight, norm1_bias)) \
+    a1 = F.silu(_group_normed(_window(x, _at(rows, cr, cc)), _stats(x, groups1), groups1, eps1, norm1_weight, norm1_bias)) \
         * _on(gr, gc, height, width)[:, None].to(x.dtype)
     h = F.conv2d(a1, conv1_weight, conv1_bias) + temb_proj[:, :, None, None]  # the box widened by 1
     # norm2's statistics corrected on the row's own window (its box widened by 1, on the grid)
@@ -274,18 +275,19 @@ def _resnet_box(x, temb_proj, tokens, box_h, box_w, recorded, norm2_stats, norm2
     window = _on(gr, gc, height, width) & _within(gr, gc, own_top - 1, own_bottom + 1, own_left - 1, own_right + 1)
     weight = window[:, None, None].float()
     new = (_deviation_sums(h, norm2_stats[:, 0], groups2) * weight).sum((-1, -2))
-    old = (_window(norm2_maps, cr, cc) * weight).sum((-1, -2))
+    old = (_window(norm2_maps, _at(rows, cr, cc)) * weight).sum((-1, -2))
     stats = _swapped(norm2_stats, new, old, h.shape[1] // groups2 * height * width)
     a2 = F.silu(_group_normed(h, stats, groups2, eps2, norm2_weight, norm2_bias)) * window[:, None].to(h.dtype)
     y = F.conv2d(a2, conv2_weight, conv2_bias)
     gr, gc, _, _ = places(0)  # (on the grid: the box was placed within it)
-    shortcut = _window(x, gr, gc)
+    at = _at(rows, gr, gc)
+    shortcut = _window(x, at)
     if shortcut_weight is not None:
         shortcut = F.conv2d(shortcut, shortcut_weight, shortcut_bias)
     y = (shortcut + y) / scale
     own = _within(gr, gc, own_top, own_bottom, own_left, own_right)
-    y = torch.where(own[:, None], y, _window(recorded, gr, gc))
-    return _put_window(recorded, gr, gc, y)
+    y = torch.where(own[:, None], y, _window(recorded, at))
+    return _put_window(recorded, at, y)
 
 
 @_resnet_box.register_fake
@@ -322,13 +324,14 @@ def _upsample_box(x, tokens, box_h, box_w, recorded, weight, bias):
     gr = top.clamp_max(out_h - bh)[:, None] + _reach(bh, 1, x.device)
     gc = left.clamp_max(out_w - bw)[:, None] + _reach(bw, 1, x.device)
     # nearest-neighbour doubling: output position p reads input p // 2
-    cut = _window(x, gr.clamp(0, out_h - 1) // 2, gc.clamp(0, out_w - 1) // 2) \
+    rows = _rows(x)
+    cut = _window(x, _at(rows, gr.clamp(0, out_h - 1) // 2, gc.clamp(0, out_w - 1) // 2)) \
         * _on(gr, gc, out_h, out_w)[:, None].to(x.dtype)
     y = F.conv2d(cut, weight, bias)
     gr, gc = gr[:, 1:-1], gc[:, 1:-1]
-    own = _within(gr, gc, top, bottom, left, right)
-    y = torch.where(own[:, None], y, _window(recorded, gr, gc))
-    return _put_window(recorded, gr, gc, y)
+    own, at = _within(gr, gc, top, bottom, left, right), _at(rows, gr, gc)
+    y = torch.where(own[:, None], y, _window(recorded, at))
+    return _put_window(recorded, at, y)
 
 
 @_upsample_box.register_fake
@@ -371,23 +374,31 @@ def zeros_as(x: torch.Tensor, shape: tuple) -> torch.Tensor:
     return torch.zeros(shape, dtype=x.dtype, device=x.device).contiguous(memory_format=fmt)
 
 
-def _window(x: torch.Tensor, gr: torch.Tensor, gc: torch.Tensor) -> torch.Tensor:
-    """x [rows, ..., H, W] on each row's window of grid rows `gr` [rows, h] and columns `gc`
-    [rows, w] (on the grid): [rows, ..., h, w], in x's layout. Indexed in two dimensions: no
-    product of the window's sides is unflattened, which a compile with the sides symbolic would
-    have to prove divisible."""
-    rows = torch.arange(x.shape[0], device=x.device)[:, None, None]
+def _rows(x: torch.Tensor) -> torch.Tensor:
+    """x's row numbers [rows, 1, 1], the first of a window's indices (`_at`)."""
+    return torch.arange(x.shape[0], device=x.device)[:, None, None]
+
+
+def _at(rows: torch.Tensor, gr: torch.Tensor, gc: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """The indices of each row's window of grid rows `gr` [rows, h] and columns `gc` [rows, w] (on
+    the grid), for `_window` and `_put_window`. In two dimensions: no product of the window's sides
+    is unflattened, which a compile with the sides symbolic would have to prove divisible."""
+    return rows, gr[:, :, None], gc[:, None, :]
+
+
+def _window(x: torch.Tensor, at: tuple[torch.Tensor, ...]) -> torch.Tensor:
+    """x [rows, ..., H, W] on each row's window `at`: [rows, ..., h, w], in x's layout."""
+    rows, gr, gc = at
     # advanced indices around the middle dimensions: [rows, h, w, ...], then the grid moved back
-    y = x[rows, ..., gr[:, :, None], gc[:, None, :]].movedim((1, 2), (-2, -1))
+    y = x[rows, ..., gr, gc].movedim((1, 2), (-2, -1))
     return y if _channels_last(x) else y.contiguous()
 
 
-def _put_window(x: torch.Tensor, gr: torch.Tensor, gc: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """x [rows, C, H, W] with `y` [rows, C, h, w] on each row's window (`_window`'s; each position
-    once), in x's layout."""
-    rows = torch.arange(x.shape[0], device=x.device)[:, None, None]
+def _put_window(x: torch.Tensor, at: tuple[torch.Tensor, ...], y: torch.Tensor) -> torch.Tensor:
+    """x [rows, C, H, W] with `y` [rows, C, h, w] on each row's window `at` (each position once),
+    in x's layout."""
     grid = x.permute(0, 2, 3, 1)  # (a view: index_put keeps its strides, so x's layout)
-    return grid.index_put((rows, gr[:, :, None], gc[:, None, :]), y.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
+    return grid.index_put(at, y.permute(0, 2, 3, 1)).permute(0, 3, 1, 2)
 
 
 def _cut(x: torch.Tensor, window: Box, fn) -> torch.Tensor:
