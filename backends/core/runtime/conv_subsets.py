@@ -267,8 +267,8 @@ def _resnet_box(x, temb_proj, tokens, box_h, box_w, recorded, norm2_stats, norm2
         return gr, gc, gr.clamp(0, height - 1), gc.clamp(0, width - 1)
 
     gr, gc, cr, cc = places(2)
-    a1 = F.silu(_group_normed(_window(x, _at(rows, cr, cc)), _stats(x, groups1), groups1, eps1, norm1_weight, norm1_bias)) \
-        * _on(gr, gc, height, width)[:, None].to(x.dtype)
+    a1 = _group_normed(_window(x, _at(rows, cr, cc)), _stats(x, groups1), groups1, eps1, norm1_weight, norm1_bias)
+    a1 = F.silu(a1) * _on(gr, gc, height, width)[:, None].to(x.dtype)
     h = F.conv2d(a1, conv1_weight, conv1_bias) + temb_proj[:, :, None, None]  # the box widened by 1
     # norm2's statistics corrected on the row's own window (its box widened by 1, on the grid)
     gr, gc, cr, cc = places(1)
