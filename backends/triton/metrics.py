@@ -110,6 +110,8 @@ class RuntimeMetrics:
             "eager": ("easel_runtime_eager_steps_total", "steps run eager (no bucket, mixed LoRAs, eager runtime)",
                       "counter"),
             "captures": ("easel_runtime_captures_total", "CUDA graphs captured", "counter"),
+            "released": ("easel_runtime_released_buckets_total",
+                         "template edits' reusing buckets whose graphs were let go for want of room", "counter"),
         })
         self.metrics.set("warmup_s", denoiser.warmup_s)
 
@@ -118,6 +120,7 @@ class RuntimeMetrics:
         self.metrics.set_total("graph", stats.graph_steps)
         self.metrics.set_total("eager", stats.eager_steps)
         self.metrics.set_total("captures", stats.captures)
+        self.metrics.set_total("released", stats.released)
 
 
 class TemplateMetrics:

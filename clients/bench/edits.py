@@ -299,9 +299,10 @@ def open_loop(url: str, setup, template: bytes, rate: float, count: int, seed: i
 
 
 @contextlib.contextmanager
-def serving(setup, model: Path, routing: str, denoisers: int, cache_gib: tuple[float, float, float]):
+def serving(setup, model: Path, routing: str, denoisers: int, cache_gib: tuple[float, float, float], out_dir: Path):
     """A repository of `model` with a template cache of `cache_gib` and `routing` (easel export
-    --routing), served by tritonserver for the block; yields (server, start seconds)."""
+    --routing), served by tritonserver for the block; yields (server, start seconds). The server's
+    log is kept in `out_dir` as server-<routing>.log (its captures, compiles and errors)."""
     from clients.bench.servers import start_server
     from export.repository import ExportOptions, export_repository
 
@@ -325,6 +326,7 @@ def serving(setup, model: Path, routing: str, denoisers: int, cache_gib: tuple[f
         yield server, start_s
     finally:
         server.stop()
+        (out_dir / f"server-{routing}.log").write_text(server.log_text())
 
 
 CACHE_METRICS = {  # edits.json's "template_cache" key -> the server's metric (summed over denoisers)
@@ -494,7 +496,7 @@ def run_edits(setup, out_dir: Path, skip: set[str] = frozenset(), load_rates: tu
         write_report(results, out_dir)
 
     for routing in ("seconds", "work") if load_rates else ("seconds",):
-        with serving(setup, model, routing, denoisers, cache_gib) as (server, start_s):
+        with serving(setup, model, routing, denoisers, cache_gib, out_dir) as (server, start_s):
             results.setdefault("start_s", {})[routing] = start_s
             if routing == "seconds":
                 with EaselClient(server.url_grpc, protocol="grpc") as client:

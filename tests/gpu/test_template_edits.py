@@ -121,3 +121,39 @@ def test_a_block_serving_reusing_rows_never_waits_for_the_device():
     keep = mask.reshape(-1) == 0
     assert torch.equal(out[1][keep], template.get(0, 0, 0)[keep])
     assert torch.equal(recording.get(0, 0, 0), out[0])
+
+
+def test_reusing_buckets_past_the_limit_let_go_of_their_graphs_and_are_captured_again(repo):  # noqa: F811
+    """With room for one reusing bucket, edits of two mask sizes take turns: each capture releases
+    the other's graphs (RuntimeConfig.subset_graph_limit), and an edit captured again computes
+    what it did the first time (fp32, 1e-5 relative: the same kernels, captured anew)."""
+    import numpy as np
+
+    eager, fast, fast_runtime, encoder = eager_and_graphs_denoisers(
+        repo, RuntimeConfig(kind="graphs", subset_graph_limit=1))
+    params = validate({"prompt": "a red door", "steps": 3, "width": 64, "height": 64, "seed": 4, "strength": 1.0},
+                      Limits())
+    embeds, pooled = encoder.encode(params)
+    image = np.random.default_rng(0).integers(0, 256, (64, 64, 3), dtype=np.uint8)
+    vae = EditEncoder(repo / "vae_decoder" / "1", Placement("cuda:0", "fp32"))
+
+    def run(side):
+        mask = np.zeros((64, 64), np.uint8)
+        mask[8:8 + side, 8:8 + side] = 255
+        edit = EditInputs(**vae.encode(image, mask), scaling_factor=vae.scaling_factor, strength=1.0,
+                          template="door")
+        with fast.on_stream():
+            state = fast.start(DenoiseJob("r", params, embeds, pooled, workflow="inpaint", edit=edit))
+            while state.index < len(state.timesteps):
+                fast.step([state])
+        return torch.from_numpy(fast.result(state)), state.template_use
+
+    assert run(16)[1] == "recorded"
+    small, use = run(16)
+    assert use == "reused" and fast_runtime.stats.released == 0
+    large, use = run(40)  # another token share: its bucket takes the only room
+    assert use == "reused" and fast_runtime.stats.released == 1
+    again, use = run(16)
+    assert use == "reused" and fast_runtime.stats.released == 2
+    assert len([b for b in fast_runtime.buckets.values() if b.subsets is not None]) == 1
+    assert rel_err(again, small) <= 1e-5 and rel_err(large, small) > 1e-5

@@ -65,10 +65,17 @@ class RuntimeConfig:
     # halves under `compiled` where warmup_template_edits compiled them (or misses capture), else
     # of the eager modules; off: such steps run eager.
     subset_graphs: bool = True
-    # Also capture reusing steps' graphs at warmup_sizes, every row bucket and token share (a
-    # fraction of a second each); under `compiled`, compile the reusing halves there first (one
-    # compile per size, dynamic in rows and share: minutes for SDXL).
+    # Also capture reusing steps' graphs at warmup_sizes, the smallest row bucket at every token
+    # share (a fraction of a second each; larger row buckets at first use); under `compiled`,
+    # compile the reusing halves there first (one compile per size, dynamic in rows and share:
+    # minutes for SDXL).
     warmup_template_edits: bool = False
+    # At most this many reusing steps' buckets keep their graphs; the least recently used lets go
+    # of its own to make room (captured again when next needed). Each holds its halves' static
+    # outputs, rows x ~53 MB at 1024 px for SDXL: with every row bucket and share captured at
+    # warmup (48 of them beside the exact buckets) an H200's graph pool held 81 GiB, and the
+    # first (recording) edit ran out of memory.
+    subset_graph_limit: int = 16
     # Template edits' reusing rows also run the ResNet blocks on their mask's box, the rest from the
     # recording (runtime/conv_subsets.py), eager and as graphs (box sides as buckets), and the
     # upsamplers too: approximate beyond the transformer blocks' reuse, opt-in until measured at
@@ -85,6 +92,8 @@ class RuntimeConfig:
             raise ValueError("runtime.fp8: needs a fast runtime (graphs or compiled), not eager")
         if self.fp8_fast_accum and not self.fp8:
             raise ValueError("runtime.fp8_fast_accum: needs runtime.fp8 (parts in FP8)")
+        if self.subset_graph_limit < 1:
+            raise ValueError(f"runtime.subset_graph_limit: {self.subset_graph_limit} is below 1")
         if not self.row_buckets or self.row_buckets[0] < 1:
             raise ValueError(f"runtime.row_buckets: {self.row_buckets} needs positive row counts")
         for size in self.warmup_sizes:

@@ -29,7 +29,9 @@ What runs eager instead (through the eager runtime over the very same modules an
   transformer work saved.
 LoRA merges write into the weights' own memory, so captured graphs see them (tested on the GPU).
 All graphs of a runtime share one memory pool: they never run concurrently, and the static
-buffers stay referenced, so the pool never hands them out twice.
+buffers stay referenced, so the pool never hands them out twice. Reusing buckets are many (row
+buckets x shares x boxes), so at most `subset_graph_limit` keep their graphs: the least recently
+used lets go of its own, and the pool gives that memory to the next capture.
 
 With `packed_attention` (the default) the halves take the text's cross-attention keys and values
 (runtime/packed_attention.py) in place of the text: one buffer per row count, recomputed only
@@ -40,6 +42,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from contextlib import nullcontext
 from pathlib import Path
@@ -111,6 +114,7 @@ class FastUNetRuntime:
         self.buckets: dict[tuple, _Bucket] = {}
         self._recorded: dict[tuple, RecordedBuffers] = {}  # (h, w, rows) -> what reusing buckets share
         self._warm_edits: set[tuple] = set()  # _size()s whose reusing buckets' compile was warmed up
+        self._reusing: OrderedDict[tuple, None] = OrderedDict()  # reusing buckets' keys, least recently used first
         if config.fused_kernels:
             from plugins import use_fused_kernels
 
@@ -240,13 +244,14 @@ class FastUNetRuntime:
                 self._capture_decoder(bucket, False, force=True)
                 if with_residuals:
                     self._capture_decoder(bucket, True, force=True)
-            if edits:  # every row bucket and share (compiled: the first compiles, dynamic in both, the rest capture)
-                for rows in self.config.row_buckets:
-                    batch = _resized(template, rows, h, w)
-                    self._warm_edits.add(self._size(self._key(batch, rows)))
-                    for share in GRAPH_SHARES:
-                        box = _square(share) if self.boxes else None
-                        self._capture_subsets(batch, rows, share, None, box)
+            if edits:  # the smallest row bucket at every share (compiled: the first compiles, dynamic in
+                # rows and share, the rest capture); larger buckets are captured at first use
+                rows = self.config.row_buckets[0]
+                batch = _resized(template, rows, h, w)
+                self._warm_edits.add(self._size(self._key(batch, rows)))
+                for share in GRAPH_SHARES:
+                    box = _square(share) if self.boxes else None
+                    self._capture_subsets(batch, rows, share, None, box)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
         self.stats.warmup_s += seconds
@@ -322,9 +327,11 @@ class FastUNetRuntime:
         if share is None or rows is None:
             return None
         box = graph_box(batch.tokens, *batch.latent_shape, self.subsets.box_keys) if self.boxes else None
-        bucket = self.buckets.get((*self._key(batch, rows), share, box, batch.tokens.cached))
+        key = (*self._key(batch, rows), share, box, batch.tokens.cached)
+        bucket = self.buckets.get(key)
         if bucket is None:
             bucket = self._capture_subsets(batch, rows, share, batch.tokens.cached, box)
+        self._reusing.move_to_end(key)
         bucket.subsets.fill(batch.tokens)
         return bucket
 
@@ -342,11 +349,24 @@ class FastUNetRuntime:
         eager_halves = not (self.caps.compiled and cached is None and (self.config.miss_captures or warm))
         buffers = self._recorded.setdefault((*batch.latent_shape, rows), RecordedBuffers())
         subsets = StaticSubsets(rows, share, cached, self.eager.subset_context(), buffers, box)
-        bucket = self._capture(batch, rows, (*size, share, box, cached), subsets, eager_halves)
+        self._make_room()
+        key = (*size, share, box, cached)
+        bucket = self._capture(batch, rows, key, subsets, eager_halves)
+        self._reusing[key] = None
         # The decoder's too, now: its blocks' buffers are made before its capture, and the step's
         # fill must reach them.
         self._capture_decoder(bucket, False)
         return bucket
+
+    def _make_room(self) -> None:
+        """Let the least recently used reusing buckets go until one more fits the limit: their
+        graphs and static outputs return to the shared pool, where the next capture takes them.
+        A bucket still read by a step in flight (EncoderOut.meta) stays alive until that step ends."""
+        while len(self._reusing) >= self.config.subset_graph_limit:
+            key, _ = self._reusing.popitem(last=False)
+            self.buckets.pop(key)
+            self.stats.released += 1
+            log.info("released a reusing bucket's graphs (%s rows, token share %g) for room", key[2], key[-3])
 
     def _text_rows(self, batch: StepBatch, rows: int) -> torch.Tensor:
         """A bucket's text buffer: without packing its own; with packing the packed-projection
@@ -379,7 +399,8 @@ class FastUNetRuntime:
         seconds = time.perf_counter() - start
         self.stats.captures += 1
         self.stats.capture_s += seconds
-        log.info("captured the %s graph for %s rows in %.2f s", what, rows, seconds)
+        log.info("captured the %s graph for %s rows in %.2f s (device memory reserved: %.2f GiB)", what, rows,
+                 seconds, torch.cuda.memory_reserved(self.device) / 2**30)
 
 
 def _square(share: float) -> tuple[float, float]:
