@@ -72,9 +72,9 @@ class RuntimeConfig:
     warmup_template_edits: bool = False
     # At most this many reusing steps' buckets keep their graphs; the least recently used lets go
     # of its own to make room (captured again when next needed). Each holds its halves' static
-    # outputs, rows x ~53 MB at 1024 px for SDXL: with every row bucket and share captured at
-    # warmup (48 of them beside the exact buckets) an H200's graph pool held 81 GiB, and the
-    # first (recording) edit ran out of memory.
+    # outputs, rows x ~53 MB at 1024 px for SDXL; rows x shares x box sides is far more buckets
+    # than a device holds (every row bucket and share at SDXL size, 48, left a recording edit out
+    # of memory on an H200).
     subset_graph_limit: int = 16
     # Template edits' reusing rows also run the ResNet blocks on their mask's box, the rest from the
     # recording (runtime/conv_subsets.py), eager and as graphs (box sides as buckets), and the

@@ -28,10 +28,11 @@ What runs eager instead (through the eager runtime over the very same modules an
   GroupNorm, layout copies and unfused element-wise work on the whole ResNets outweighed the
   transformer work saved.
 LoRA merges write into the weights' own memory, so captured graphs see them (tested on the GPU).
-All graphs of a runtime share one memory pool: they never run concurrently, and the static
-buffers stay referenced, so the pool never hands them out twice. Reusing buckets are many (row
-buckets x shares x boxes), so at most `subset_graph_limit` keep their graphs: the least recently
-used lets go of its own, and the pool gives that memory to the next capture.
+All graphs of a runtime share one memory pool, captured on one side stream (freed memory is
+reused only on the stream that freed it: cuda_graphs._side_stream): they never run concurrently,
+and the static buffers stay referenced, so the pool never hands them out twice. Reusing buckets
+are many (row buckets x shares x boxes), so at most `subset_graph_limit` keep their graphs: the
+least recently used lets go of its own, and the pool gives that memory to the next capture.
 
 With `packed_attention` (the default) the halves take the text's cross-attention keys and values
 (runtime/packed_attention.py) in place of the text: one buffer per row count, recomputed only
