@@ -12,16 +12,19 @@ outside the mask are noised with the request's noise), prompts that differ per r
   the masked region.
 - Throughput: c clients at once, rounds back to back, every request's mask ratio drawn from a
   distribution with InstGenIE's trace's mean (0.11), exact against reusing, images/s.
-- The template cache after those runs, from the server's metrics: hits and bytes loaded by tier,
-  the seconds edits were held for a load, and the GPU seconds steps stalled for streamed copies
-  (`--template-cache-gib 0,48,0` streams every reuse from host memory).
+- The template cache after the latency edits and after the throughput rounds, from the server's
+  metrics: hits and bytes loaded by tier, the seconds edits were held for a load, and the GPU
+  seconds steps stalled for streamed copies (`--template-cache-gib 0,48,0` streams every reuse from
+  host memory; `--profile-template` runs `easel profile-template` first, so that Algorithm 1 plans
+  which blocks take the recording).
 - diffusers' StableDiffusionXLInpaintPipeline on the same weights, eager and with its UNet
   compiled: latency per mask ratio, and one call batching c edits per concurrency level.
 
 `--conv-subsets` exports the server with the ResNet blocks of reusing edits on their mask's box
 (RuntimeConfig.conv_subsets); the exact edits are the same either way.
 
-Written into `<out>/edits.json`, `edits.md` and the plots `edits_latency.png`, `edits_load.png` beside
+Written into `<out>/edits.json` (saved after each mask ratio and phase), the server's log
+`server-<routing>.log`, `edits.md` and the plots `edits_latency.png`, `edits_load.png` beside
 the other configurations' results. Random weights: the
 figures say what reuse costs and how far it moves an image, not how good pictures look.
 """
@@ -34,6 +37,7 @@ import json
 import logging
 import queue
 import re
+import shutil
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -129,7 +133,8 @@ def reused_edit(client, prompt: str, files: dict):
     raise RuntimeError(f"edits of a recorded template were {use}")
 
 
-def latency(client, setup, template: bytes, out: dict) -> None:
+def latency(client, setup, template: bytes, out: dict, save=lambda: None) -> None:
+    """Per mask ratio (RATIOS): exact edits, then reusing ones, into `out`; `save()` after each ratio."""
     request = dict(steps=setup.steps, width=setup.size, height=setup.size, seed=SEED, strength=1.0, image=template,
                    **SAMPLING)
     for ratio in RATIOS:
@@ -161,6 +166,7 @@ def latency(client, setup, template: bytes, out: dict) -> None:
         row["masked_psnr_median"] = float(np.median([q["masked_psnr"] for q in row["quality"]]))
         log.info("mask %.2f: exact p50 %.3fs, reused %.3fs (%.2fx); PSNR %.2f dB (masked %.2f)", ratio,
                  row["exact_p50_s"], row["reuse_p50_s"], row["speedup"], row["psnr_median"], row["masked_psnr_median"])
+        save()
 
 
 def throughput(url: str, setup, template: bytes, c: int) -> dict:
@@ -317,6 +323,11 @@ def serving(setup, model: Path, routing: str, denoisers: int, cache_gib: tuple[f
                             conv_subsets=setup.conv_subsets, **place)
     repo = setup.work / f"repo-edits-{routing}"
     export_repository(model, repo, options)
+    if setup.profile_template:
+        from export.profile_template import profile_template
+
+        written = profile_template(repo, size=setup.size)
+        shutil.copyfile(written[0], out_dir / written[0].name)
     if setup.shared_compile_cache:
         from clients.bench.servers import share_compile_cache
 
@@ -397,16 +408,18 @@ def markdown(results: dict) -> str:
                      f"{_fmt(row['speedup'], 'x', 2)} | "
                      f"{_fmt(eager.get('throughput', {}).get(c, {}).get('img_s'), ' img/s')} | "
                      f"{_fmt(compiled.get('throughput', {}).get(c, {}).get('img_s'), ' img/s')} |")
-    cache = results.get("template_cache")
-    if cache:
-        def tiers(values):
-            return ", ".join(f"{tier} {v:g}" for tier, v in values.items()) if isinstance(values, dict) else f"{values:g}"
+    def tiers(values):
+        return ", ".join(f"{tier} {v:g}" for tier, v in values.items()) if isinstance(values, dict) else f"{values:g}"
 
-        lines += ["", "## Template cache (after the latency and throughput runs)", "",
-                  f"- hits: {tiers(cache['hits'])}; misses: {cache['misses']:g}",
-                  f"- bytes loaded to the device: {tiers(cache['loaded_bytes'])}",
-                  f"- edits held for a load: {_fmt(cache['wait_s'])}; steps stalled for streamed copies (GPU time): "
-                  f"{_fmt(cache['stall_s'])}"]
+    for key, when in (("template_cache_after_latency", "the latency runs"),
+                      ("template_cache", "the latency and throughput runs")):
+        cache = results.get(key)
+        if cache:
+            lines += ["", f"## Template cache (after {when})", "",
+                      f"- hits: {tiers(cache['hits'])}; misses: {cache['misses']:g}",
+                      f"- bytes loaded to the device: {tiers(cache['loaded_bytes'])}",
+                      f"- edits held for a load: {_fmt(cache['wait_s'])}; steps stalled for streamed copies (GPU time): "
+                      f"{_fmt(cache['stall_s'])}"]
     if results.get("load"):
         lines += ["", "## Open-loop load (reusing edits, Poisson arrivals)", "",
                   "| edits/s | routing | p50 | p95 | mean |", "| --- | --- | --- | --- | --- |"]
@@ -503,7 +516,9 @@ def run_edits(setup, out_dir: Path, skip: set[str] = frozenset(), load_rates: tu
                     client.generate("warm up", steps=2, width=setup.size, height=setup.size, seed=0, strength=1.0,
                                     image=template, mask_image=_png(centered_mask(setup.size, 0.2)), **SAMPLING)
                     results["record_s"] = record(server.url_grpc, setup, template, setup.steps, denoisers)
-                    latency(client, setup, template, results["latency"])
+                    latency(client, setup, template, results["latency"], save)
+                # (the host tier's stalls are the latency edits' alone here, before the throughput rounds')
+                results["template_cache_after_latency"] = cache_figures(server)
                 save()
                 if setup.throughput_steps != setup.steps:
                     results["throughput_record_s"] = record(server.url_grpc, setup, template, setup.throughput_steps,

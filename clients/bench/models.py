@@ -89,6 +89,10 @@ def parser() -> argparse.ArgumentParser:
                         "device; 0,48,0 streams them from host memory)")
     p.add_argument("--conv-subsets", action="store_true",
                    help="with --edit: export --conv-subsets (reusing edits also run the ResNet blocks on the mask's box)")
+    p.add_argument("--profile-template", action="store_true",
+                   help="with --edit: run easel profile-template on the exported repository before the server starts "
+                        "(reusing edits then take the recording only where Algorithm 1 says it pays; copied to "
+                        "template_blocks.json beside edits.json)")
     p.add_argument("--cpu-smoke", action="store_true",
                    help="the whole run on CPU with the tiny model (fp32, eager, no torch.compile): tests the script")
     p.add_argument("--replot", type=Path, default=None, metavar="DIR",
@@ -163,6 +167,7 @@ class Setup:
     fp8: tuple[str, ...] = ()
     fp8_fast_accum: bool = False
     conv_subsets: bool = False  # (template edits: RuntimeConfig.conv_subsets)
+    profile_template: bool = False  # (template edits: easel profile-template before the server starts)
     # What the run's repository is exported for: the most of any configuration sharing its server
     # (None: this configuration's own). Never fewer than the configuration's own.
     served_controlnets: int | None = None
@@ -259,7 +264,7 @@ def resolve(args: argparse.Namespace) -> Setup:
                  ready_timeout=args.ready_timeout, shared_compile_cache=args.shared_compile_cache,
                  cuda_pool_mib=args.cuda_pool_mib, controlnet_row_split=args.controlnet_row_split,
                  vae_dtype=args.vae_dtype, fp8=tuple(args.fp8), fp8_fast_accum=args.fp8_fast_accum,
-                 conv_subsets=args.conv_subsets, smoke=smoke, **pick)
+                 conv_subsets=args.conv_subsets, profile_template=args.profile_template, smoke=smoke, **pick)
 
 
 def gpu_name(setup: Setup) -> str:

@@ -2,7 +2,8 @@
 tiny model records a template, then measures exact and reusing edits at every mask ratio and
 concurrency, an open-loop load on two denoisers routed by predicted seconds and by row-steps,
 then diffusers' inpaint pipeline does the same edits. The server runs the ResNet blocks of reusing
-edits on their mask's box too (--conv-subsets; tests/server/test_inpaint.py serves edits without).
+edits on their mask's box too (--conv-subsets; tests/server/test_inpaint.py serves edits without),
+and takes the recording where `easel profile-template`'s profile says it pays (--profile-template).
 Each reusing edit is checked to have reused (the script refuses otherwise) and to stay near its
 exact twin: PSNR >= 20 dB, whole and masked (the tiny model at 64 px measured 27-89 dB with the
 boxes, whose 8 x 8, 4 x 4 and 2 x 2 grids a box widened by a token covers much of, and 42-47 dB
@@ -21,7 +22,8 @@ MIN_PSNR = 20.0
 def test_the_edit_benchmark_measures_every_mask_ratio_and_concurrency(tmp_path):
     out = tmp_path / "out"
     assert main(["--cpu-smoke", "--edit", "--work", str(tmp_path / "work"), "--out", str(out), "--runs", "2",
-                 "--concurrency", "1,2", "--load-rates", "4,8", "--load-requests", "8", "--conv-subsets"]) == 0
+                 "--concurrency", "1,2", "--load-rates", "4,8", "--load-requests", "8", "--conv-subsets",
+                 "--profile-template"]) == 0
     results = json.loads((out / "edits.json").read_text())
     exported = json.loads((tmp_path / "work" / "repo-edits-seconds" / "easel_export.json").read_text())
     assert results["conv_subsets"] and exported["options"]["conv_subsets"]
@@ -43,6 +45,11 @@ def test_the_edit_benchmark_measures_every_mask_ratio_and_concurrency(tmp_path):
             assert load["count"] == 8 and load["template_use"] == {"reused": 8} and load["p95_s"] >= load["p50_s"] > 0
     cache = results["template_cache"]  # the server's metrics: recorded once, reused from the device
     assert cache["misses"] >= 1 and cache["hits"]["device"] >= 2 * len(RATIOS) and cache["stall_s"] == 0
+    assert 2 * len(RATIOS) <= results["template_cache_after_latency"]["hits"]["device"] < cache["hits"]["device"]
+    # --profile-template: the profile the denoisers planned with, kept beside the results
+    assert json.loads((out / "template_blocks.json").read_text())["blocks"]
+    for routing in ("seconds", "work"):  # each server's log, kept
+        assert "successfully loaded" in (out / f"server-{routing}.log").read_text()
     diffusers = results["diffusers_eager"]  # the same edits through StableDiffusionXLInpaintPipeline
     assert set(diffusers["latency"]) == {str(r) for r in RATIOS} and diffusers["throughput"]["2"]["img_s"] > 0
     assert "diffusers_compiled" not in results  # --cpu-smoke: no torch.compile
