@@ -328,6 +328,10 @@ def serving(setup, model: Path, routing: str, denoisers: int, cache_gib: tuple[f
 
         written = profile_template(repo, size=setup.size)
         shutil.copyfile(written[0], out_dir / written[0].name)
+        if setup.device == "cuda":  # the profile's memory back to the device, for the server
+            import torch
+
+            torch.cuda.empty_cache()
     if setup.shared_compile_cache:
         from clients.bench.servers import share_compile_cache
 

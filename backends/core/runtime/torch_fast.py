@@ -245,12 +245,12 @@ class FastUNetRuntime:
                 self._capture_decoder(bucket, False, force=True)
                 if with_residuals:
                     self._capture_decoder(bucket, True, force=True)
-            if edits:  # the smallest row bucket at every share (compiled: the first compiles, dynamic in
-                # rows and share, the rest capture); larger buckets are captured at first use
+            if edits:  # the smallest row bucket at every share the limit holds (compiled: the first
+                # compiles, dynamic in rows and share, the rest capture); other buckets at first use
                 rows = self.config.row_buckets[0]
                 batch = _resized(template, rows, h, w)
                 self._warm_edits.add(self._size(self._key(batch, rows)))
-                for share in GRAPH_SHARES:
+                for share in GRAPH_SHARES[:self.config.subset_graph_limit]:
                     box = _square(share) if self.boxes else None
                     self._capture_subsets(batch, rows, share, None, box)
         torch.cuda.synchronize(self.device)
