@@ -203,5 +203,18 @@ def profile_template(repo: str | Path, size: int | None = None, iters: int = 10)
         nbytes = conv_record_bytes(encoder, decoder, size)
         fixed_ms = load_ms(nbytes, device, torch.cuda.Stream(device), iters)
         log.info("a row of a step's ResNet and upsampler recordings: %.1f MB, %.3f ms to load", nbytes / 1e6, fixed_ms)
-    profile = as_profile(measure_blocks(unet, size, iters=iters), size, rows=2, fixed_load_ms=fixed_ms)
+    measured = measure_blocks(unet, size, iters=iters)
+    log.info("%s", summary(measured, rows=2))
+    profile = as_profile(measured, size, rows=2, fixed_load_ms=fixed_ms)
     return [profile.write(d / "1") for d in denoisers]
+
+
+def summary(measured: list[dict], rows: int) -> str:
+    """One line on a step's transformer blocks for `rows` rows: their recorded outputs' bytes and
+    load time (the link's rate), and their time on every token and at each profiled ratio."""
+    nbytes = sum(e["record_bytes"] for e in measured)
+    load = sum(e["load_ms"] for e in measured)
+    rate = f", {nbytes / load / 1e6:.1f} GB/s" if load > 0 else ""
+    masked = ", ".join(f"{r:g}: {sum(e['with_ms'][str(r)] for e in measured):.2f}" for r in RATIOS)
+    return (f"{len(measured)} transformer blocks, {rows} rows: recorded outputs {nbytes / 1e6:.1f} MB a step, loaded in "
+            f"{load:.2f} ms{rate}; whole {sum(e['without_ms'] for e in measured):.2f} ms, on a mask's tokens (ms) {masked}")

@@ -10,7 +10,7 @@ from backends.core.engine.denoiser import TorchDenoiser
 from backends.core.runtime.cache_plan import BlockProfile
 from backends.core.runtime.placement import Placement
 from export.cli import main
-from export.profile_template import RATIOS, conv_record_bytes
+from export.profile_template import RATIOS, conv_record_bytes, summary
 from export.repository import ExportOptions, export_repository
 
 
@@ -25,6 +25,14 @@ def test_profile_template_writes_every_denoisers_profile(tiny_model, tmp_path):
     assert all(b.without_s > 0 and all(t > 0 for t in b.with_s) and b.load_s == 0.0 for b in profile.blocks)
     engine = TorchDenoiser(repo / "denoiser_cpu0" / "1", Placement())
     assert engine.workflows["inpaint"].model.block_profile == profile
+
+
+def test_the_profile_summary_gives_a_steps_bytes_and_the_links_rate():
+    blocks = [{"record_bytes": 4_000_000, "load_ms": 0.1, "without_ms": 0.5, "with_ms": {str(r): r for r in RATIOS}}] * 2
+    line = summary(blocks, rows=2)
+    assert "2 transformer blocks, 2 rows: recorded outputs 8.0 MB a step, loaded in 0.20 ms, 40.0 GB/s" in line
+    assert "whole 1.00 ms" in line and "0.2: 0.40" in line
+    assert "GB/s" not in summary([dict(blocks[0], load_ms=0.0)], rows=2)  # on a CPU loads cost nothing
 
 
 def test_a_recordings_resnet_and_upsampler_parts_are_counted(tiny_model):
