@@ -47,3 +47,29 @@ def test_only_the_planned_blocks_are_copied_and_a_step_reads_what_was_copied_for
     assert torch.equal(reader.get(1, 1, 0), host.get(1, 1, 0))
     assert reader.prepare(2, last=2) is None and counted[-1] == 3 * block_bytes
     assert all(torch.equal(reader.get(2, b, 0), host.get(2, b, 0)) for b in range(3))
+
+
+def test_a_recording_in_one_host_block_streams_each_whole_step_in_one_copy():
+    """The template cache's host tier packs a recording into one block (engine/host_block.py), a
+    step's outputs one range of it: a step copying every block copies that range into views of one
+    device range laid out alike; a planned subset copies its blocks into those views."""
+    from backends.core.engine import host_block
+
+    loose, _, _ = host_recording(rows=2, blocks=3, tokens=5, width=3)
+    loose.outputs[(0, 1)] = loose.outputs[(0, 1)].half()  # a dtype of another size: offsets stay aligned
+    block, views = host_block.pack(loose.outputs, pin=False)
+    assert all(torch.equal(views[k], t) for k, t in loose.outputs.items())
+    assert all((v.data_ptr() - block.data_ptr()) % host_block.ALIGN == 0 for v in views.values())
+    host = TemplateActivations(2, views, complete=True, host=True, block=block)
+    assert host.nbytes == block.numel() >= loose.nbytes
+    counted = []
+    reader = StreamedActivations(host, torch.device("cpu"), None, counted.append)
+    reader.prepare(0, last=2, first=frozenset({1}), ahead=None)  # step 0: one block; step 1: all, flat
+    assert torch.equal(reader.get(0, 1, 1), host.get(0, 1, 1))
+    start, end = host_block.span(block, [views[(1, b)] for b in range(3)])
+    assert torch.equal(reader._buffers[1]["flat"], block[start:end])
+    reader.prepare(1, last=2)
+    assert all(torch.equal(reader.get(1, b, r), host.get(1, b, r)) for b in range(3) for r in range(2))
+    reader.prepare(2, last=2)  # step 0's parity: its layout differs (a half block), so its buffers are made again
+    assert all(torch.equal(reader.get(2, b, r), host.get(2, b, r)) for b in range(3) for r in range(2))
+    assert counted[0] == 2 * 5 * 3 * 2 and len(counted) == 3

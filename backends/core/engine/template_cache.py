@@ -7,7 +7,8 @@ An edit that finds a recording still being made records one of its own (the firs
 cancelled), which replaces it.
 
 Three tiers, each least recently used first out past its byte budget: the device (where edits
-read recordings), host memory (pinned on a GPU host) and a folder of safetensors files, one per
+read recordings), host memory (a block per recording, page-locked on a GPU host:
+engine/host_block.py) and a folder of safetensors files, one per
 recording, written when it completes, so recordings survive a restart (the folder's files are
 indexed at start from their metadata; nothing but safetensors is read, nothing is unpickled). A
 recording leaving the device goes to the host tier, one leaving the host tier is dropped (its
@@ -35,6 +36,7 @@ from pathlib import Path
 
 import torch
 
+from backends.core.engine import host_block
 from backends.core.runtime.token_subsets import TemplateActivations
 
 log = logging.getLogger(__name__)
@@ -320,16 +322,15 @@ def _key_text(key: tuple) -> str:
 
 def _moved(recording: TemplateActivations, device: torch.device, pin: bool = False,
            host: bool = False) -> TemplateActivations:
-    """A copy on `device`; `host`: the copy is the host tier's (an edit streams it)."""
+    """A copy on `device`; `host`: the copy is the host tier's (an edit streams it), in one host
+    block (engine/host_block.py), page-locked where `pin`."""
     if recording.written is not None:
         recording.written.synchronize()  # its last steps may still be queued on the engine's stream
-
-    def move(t):
-        t = t.to(device, non_blocking=device.type == "cuda")
-        return t.pin_memory() if pin else t
-
-    return TemplateActivations(recording.rows, {k: move(t) for k, t in recording.outputs.items()}, complete=True,
-                               host=host)
+    if host:
+        block, outputs = host_block.pack(recording.outputs, pin)
+        return TemplateActivations(recording.rows, outputs, complete=True, host=True, block=block)
+    return TemplateActivations(recording.rows, {k: t.to(device, non_blocking=device.type == "cuda")
+                                                for k, t in recording.outputs.items()}, complete=True)
 
 
 def _from_file(tensors: dict[str, torch.Tensor], path: Path) -> TemplateActivations:

@@ -12,16 +12,19 @@ the compute stream after that step's kernels.
 Only the transformer blocks a plan names are copied (runtime/cache_plan.StreamPlans: Algorithm 1
 with the copies' times, so that a copy never outlasts the step it hides behind), with whatever
 else the recording holds (runtime/conv_subsets.py's ResNet blocks); a step takes the recording in
-the blocks copied for it (`prepare`'s return) and runs the others whole.
+the blocks copied for it (`prepare`'s return) and runs the others whole. A step that copies every
+block, from a recording in one host block (engine/host_block.py), goes in one transfer.
 """
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Callable
 
 import torch
 
+from backends.core.engine import host_block
 from backends.core.runtime.conv_subsets import is_block_key
 from backends.core.runtime.token_subsets import TemplateActivations
 
@@ -81,16 +84,13 @@ class StreamedActivations:
         else:
             blocks = None
         self._copied[step] = None if blocks is None else frozenset(b for b in outputs if is_block_key(b))
-        buffers = self._buffers[step % 2]
-        if buffers is None:  # every block's buffer, whichever blocks a step copies
-            buffers = self._buffers[step % 2] = {b: torch.empty_like(t, device=self.device)
-                                                 for b, t in self._steps[step].items()}
-            if self.stream is not None:  # written on the load stream, freed with the request on ours
-                for t in buffers.values():
-                    t.record_stream(self.stream)
+        buffers = self._device_buffers(step)
+        # The whole step from the host block in one transfer (its outputs are one range there).
+        pairs = [(buffers[_FLAT], self._flat_source(step))] if blocks is None and _FLAT in buffers else \
+            [(buffers[b], t) for b, t in outputs.items()]
         if self.stream is None:
-            for b, t in outputs.items():
-                buffers[b].copy_(t)
+            for target, source in pairs:
+                target.copy_(source)
             self._ready[step] = None
         else:
             # After every kernel queued on the compute stream so far: the last step that read this
@@ -99,9 +99,50 @@ class StreamedActivations:
             read.record(torch.cuda.current_stream(self.device))
             self.stream.wait_event(read)
             with torch.cuda.stream(self.stream):
-                for b, t in outputs.items():
-                    buffers[b].copy_(t, non_blocking=True)
+                for target, source in pairs:
+                    target.copy_(source, non_blocking=True)
                 done = torch.cuda.Event(enable_timing=True)
                 done.record(self.stream)
             self._ready[step] = done
         self.loaded(sum(t.numel() * t.element_size() for t in outputs.values()))
+
+    def _range(self, step: int) -> tuple[int, int] | None:
+        """(start, end) of the step's outputs in the host block; None where the recording has none."""
+        if self.host.block is None:
+            return None
+        return host_block.span(self.host.block, list(self._steps[step].values()))
+
+    def _flat_source(self, step: int) -> torch.Tensor:
+        start, end = self._range(step)
+        return self.host.block[start:end]
+
+    def _device_buffers(self, step: int) -> dict:
+        """The device buffers `step` is copied into (its parity's): every block's, whichever blocks a
+        step copies. With a host block they are views of one device range laid out as the step's
+        host range (that range under _FLAT), made again where a step's layout differs from the
+        last one's."""
+        where = self._range(step)
+        layout = () if where is None else tuple(sorted(
+            (t.data_ptr() - self.host.block.data_ptr() - where[0], b, tuple(t.shape), t.dtype)
+            for b, t in self._steps[step].items()))
+        buffers = self._buffers[step % 2]
+        if buffers is not None and buffers.get(_LAYOUT, ()) == layout:
+            return buffers
+        if layout:
+            flat = torch.empty(where[1] - where[0], dtype=torch.uint8, device=self.device)
+            buffers = {b: flat[at:at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                       for at, b, shape, dtype in layout}
+            buffers[_FLAT], buffers[_LAYOUT] = flat, layout
+            made = [flat]
+        else:
+            buffers = {b: torch.empty_like(t, device=self.device) for b, t in self._steps[step].items()}
+            made = list(buffers.values())
+        if self.stream is not None:  # written on the load stream, freed with the request on ours
+            for t in made:
+                t.record_stream(self.stream)
+        self._buffers[step % 2] = buffers
+        return buffers
+
+
+# Keys of a parity's device buffers beside the blocks' (never a block key: those are ints).
+_FLAT, _LAYOUT = "flat", "layout"

@@ -52,6 +52,8 @@ class TemplateActivations:
     # Kept in host memory (the template cache's lower tier): an edit reads it step by step
     # (engine/template_stream.py).
     host: bool = False
+    # The host block its outputs are views of (engine/host_block.py), where the cache made one.
+    block: torch.Tensor | None = None
 
     def put(self, step: int, block: int, row: int, output: torch.Tensor) -> None:
         kept = self.outputs.get((step, block))
@@ -67,6 +69,8 @@ class TemplateActivations:
 
     @property
     def nbytes(self) -> int:
+        if self.block is not None:  # (its outputs and the padding between them)
+            return self.block.numel()
         return sum(t.numel() * t.element_size() for t in self.outputs.values())
 
 
