@@ -168,9 +168,9 @@ def parser() -> argparse.ArgumentParser:
                      help="also capture template edits' reusing steps at the warm-up sizes, the smallest row bucket "
                           "at every token share (compiled: after compiling their halves, minutes; larger buckets at "
                           "first use); without it, compiled's reusing steps run graphs of the eager modules")
-    exp.add_argument("--subset-graph-limit", type=int, default=RuntimeConfig.subset_graph_limit,
-                     help="reusing steps' buckets that keep their CUDA graphs at once (the least recently used lets "
-                          "go of its own; each holds rows x ~53 MB of static outputs for SDXL at 1024 px)")
+    exp.add_argument("--subset-graph-gib", type=float, default=RuntimeConfig.subset_graph_gib,
+                     help="GiB of static outputs that reusing steps' CUDA graphs keep (rows x ~53 MB a bucket for "
+                          "SDXL at 1024 px); past it the least recently used lets go of its own")
     exp.add_argument("--vae-attention", choices=("fp32", "fp16", "bf16"), default=None,
                      help="precision of the VAE's attention product: fp32 is diffusers' exact upcast VAE "
                           "(default: bf16 on a fast runtime, fp32 on eager)")
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                                 vae_attention=args.vae_attention, vae_dtype=args.vae_dtype, fp8=args.fp8,
                                 fp8_fast_accum=args.fp8_fast_accum, template_cache_gib=args.template_cache_gib,
                                 conv_subsets=args.conv_subsets, warmup_template_edits=args.warmup_template_edits,
-                                subset_graph_limit=args.subset_graph_limit,
+                                subset_graph_gib=args.subset_graph_gib,
                                 edit_share_ratio=args.edit_share_ratio)
         export_repository(args.model, args.out, options)
         return 0

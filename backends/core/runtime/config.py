@@ -70,12 +70,12 @@ class RuntimeConfig:
     # compile the reusing halves there first (one compile per size, dynamic in rows and share:
     # minutes for SDXL).
     warmup_template_edits: bool = False
-    # At most this many reusing steps' buckets keep their graphs; the least recently used lets go
-    # of its own to make room (captured again when next needed). Each holds its halves' static
-    # outputs, rows x ~53 MB at 1024 px for SDXL; rows x shares x box sides is far more buckets
-    # than a device holds (every row bucket and share at SDXL size, 48, left a recording edit out
-    # of memory on an H200).
-    subset_graph_limit: int = 16
+    # Reusing steps' buckets keep their graphs while their static outputs fit in this many GiB
+    # (rows x ~53 MB a bucket at 1024 px for SDXL); past it the least recently used lets go of its
+    # own (captured again when next needed). Rows x shares x box sides is far more buckets than a
+    # device holds: every row bucket and share at SDXL size (48) left a recording edit out of
+    # memory on an H200.
+    subset_graph_gib: float = 16.0
     # Template edits' reusing rows also run the ResNet blocks on their mask's box, the rest from the
     # recording (runtime/conv_subsets.py), eager and as graphs (box sides as buckets), and the
     # upsamplers too: approximate beyond the transformer blocks' reuse, opt-in until measured at
@@ -92,8 +92,8 @@ class RuntimeConfig:
             raise ValueError("runtime.fp8: needs a fast runtime (graphs or compiled), not eager")
         if self.fp8_fast_accum and not self.fp8:
             raise ValueError("runtime.fp8_fast_accum: needs runtime.fp8 (parts in FP8)")
-        if self.subset_graph_limit < 1:
-            raise ValueError(f"runtime.subset_graph_limit: {self.subset_graph_limit} is below 1")
+        if not self.subset_graph_gib > 0:
+            raise ValueError(f"runtime.subset_graph_gib: {self.subset_graph_gib} is not a positive number of GiB")
         if not self.row_buckets or self.row_buckets[0] < 1:
             raise ValueError(f"runtime.row_buckets: {self.row_buckets} needs positive row counts")
         for size in self.warmup_sizes:

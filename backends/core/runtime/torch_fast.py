@@ -31,8 +31,9 @@ LoRA merges write into the weights' own memory, so captured graphs see them (tes
 All graphs of a runtime share one memory pool, captured on one side stream (freed memory is
 reused only on the stream that freed it: cuda_graphs._side_stream): they never run concurrently,
 and the static buffers stay referenced, so the pool never hands them out twice. Reusing buckets
-are many (row buckets x shares x boxes), so at most `subset_graph_limit` keep their graphs: the
-least recently used lets go of its own, and the pool gives that memory to the next capture.
+are many (row buckets x shares x boxes), so they keep their graphs while their static outputs fit
+`subset_graph_gib`: past it the least recently used lets go of its own, and the pool gives that
+memory to the next capture.
 
 With `packed_attention` (the default) the halves take the text's cross-attention keys and values
 (runtime/packed_attention.py) in place of the text: one buffer per row count, recomputed only
@@ -115,7 +116,8 @@ class FastUNetRuntime:
         self.buckets: dict[tuple, _Bucket] = {}
         self._recorded: dict[tuple, RecordedBuffers] = {}  # (h, w, rows) -> what reusing buckets share
         self._warm_edits: set[tuple] = set()  # _size()s whose reusing buckets' compile was warmed up
-        self._reusing: OrderedDict[tuple, None] = OrderedDict()  # reusing buckets' keys, least recently used first
+        # reusing buckets' keys -> their static outputs' bytes, least recently used first
+        self._reusing: OrderedDict[tuple, int] = OrderedDict()
         if config.fused_kernels:
             from plugins import use_fused_kernels
 
@@ -245,12 +247,12 @@ class FastUNetRuntime:
                 self._capture_decoder(bucket, False, force=True)
                 if with_residuals:
                     self._capture_decoder(bucket, True, force=True)
-            if edits:  # the smallest row bucket at every share the limit holds (compiled: the first
-                # compiles, dynamic in rows and share, the rest capture); other buckets at first use
+            if edits:  # the smallest row bucket at every share (compiled: the first compiles, dynamic
+                # in rows and share, the rest capture); other buckets at first use
                 rows = self.config.row_buckets[0]
                 batch = _resized(template, rows, h, w)
                 self._warm_edits.add(self._size(self._key(batch, rows)))
-                for share in GRAPH_SHARES[:self.config.subset_graph_limit]:
+                for share in GRAPH_SHARES:
                     box = _square(share) if self.boxes else None
                     self._capture_subsets(batch, rows, share, None, box)
         torch.cuda.synchronize(self.device)
@@ -350,20 +352,22 @@ class FastUNetRuntime:
         eager_halves = not (self.caps.compiled and cached is None and (self.config.miss_captures or warm))
         buffers = self._recorded.setdefault((*batch.latent_shape, rows), RecordedBuffers())
         subsets = StaticSubsets(rows, share, cached, self.eager.subset_context(), buffers, box)
-        self._make_room()
         key = (*size, share, box, cached)
         bucket = self._capture(batch, rows, key, subsets, eager_halves)
-        self._reusing[key] = None
         # The decoder's too, now: its blocks' buffers are made before its capture, and the step's
         # fill must reach them.
         self._capture_decoder(bucket, False)
+        self._reusing[key] = _static_bytes(bucket)
+        self._make_room()
         return bucket
 
     def _make_room(self) -> None:
-        """Let the least recently used reusing buckets go until one more fits the limit: their
-        graphs and static outputs return to the shared pool, where the next capture takes them.
-        A bucket still read by a step in flight (EncoderOut.meta) stays alive until that step ends."""
-        while len(self._reusing) >= self.config.subset_graph_limit:
+        """Let the least recently used reusing buckets go, never the newest, until their static
+        outputs fit subset_graph_gib: their graphs and outputs return to the shared pool, where the
+        next capture takes them. A bucket still read by a step in flight (EncoderOut.meta) stays
+        alive until that step ends."""
+        budget = self.config.subset_graph_gib * 2**30
+        while len(self._reusing) > 1 and sum(self._reusing.values()) > budget:
             key, _ = self._reusing.popitem(last=False)
             self.buckets.pop(key)
             self.stats.released += 1
@@ -402,6 +406,13 @@ class FastUNetRuntime:
         self.stats.capture_s += seconds
         log.info("captured the %s graph for %s rows in %.2f s (device memory reserved: %.2f GiB)", what, rows,
                  seconds, torch.cuda.memory_reserved(self.device) / 2**30)
+
+
+def _static_bytes(bucket: _Bucket) -> int:
+    """What a bucket's graphs write and keep: the encoder's outputs and each decoder's."""
+    emb, mid, skips = bucket.enc_out
+    kept = [emb, mid, *skips, *(noise for _, noise, _ in bucket.decoders.values())]
+    return sum(t.numel() * t.element_size() for t in kept)
 
 
 def _square(share: float) -> tuple[float, float]:
