@@ -92,8 +92,8 @@ class RuntimeConfig:
             raise ValueError("runtime.fp8: needs a fast runtime (graphs or compiled), not eager")
         if self.fp8_fast_accum and not self.fp8:
             raise ValueError("runtime.fp8_fast_accum: needs runtime.fp8 (parts in FP8)")
-        if not self.subset_graph_gib > 0:
-            raise ValueError(f"runtime.subset_graph_gib: {self.subset_graph_gib} is not a positive number of GiB")
+        if not isinstance(self.subset_graph_gib, (int, float)) or not self.subset_graph_gib > 0:
+            raise ValueError(f"runtime.subset_graph_gib: {self.subset_graph_gib!r} is not a positive number of GiB")
         if not self.row_buckets or self.row_buckets[0] < 1:
             raise ValueError(f"runtime.row_buckets: {self.row_buckets} needs positive row counts")
         for size in self.warmup_sizes:
