@@ -60,7 +60,8 @@ def _register(block: torch.Tensor) -> None:
     error = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, 1))  # cudaHostRegisterPortable: every device's
     if error != 0:
         raise RuntimeError(f"template cache: page-locking a recording of {nbytes} bytes failed (CUDA error {error})")
-    weakref.finalize(block, _unregister, ptr)
+    # (not at exit: the process's memory goes with it, and a device sync there could hang)
+    weakref.finalize(block, _unregister, ptr).atexit = False
 
 
 def _unregister(ptr: int) -> None:
