@@ -84,8 +84,9 @@ def measure(layout, steps: int, iters: int) -> dict:
     nbytes = layout_bytes(layout)
 
     def host_stats() -> int:
+        """The bytes torch's pinned allocator holds (rounded block sizes), or -1 where torch does not say."""
         stats = getattr(torch.cuda, "host_memory_stats", lambda: {})()
-        return int(stats.get("reserved_bytes.all.current", -1))
+        return int(stats.get("allocated_bytes.current", stats.get("reserved_bytes.all.current", -1)))
 
     def timed(pairs) -> float:
         begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
