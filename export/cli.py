@@ -165,12 +165,12 @@ def parser() -> argparse.ArgumentParser:
                      help="template edits that reuse a recording also run the ResNet blocks on their mask's box "
                           "(approximate; as graphs too, a pair per box size, captured at first use)")
     exp.add_argument("--warmup-template-edits", action="store_true",
-                     help="also capture template edits' reusing steps at the warm-up sizes, the smallest row bucket "
-                          "at every token share (compiled: after compiling their halves, minutes; larger buckets at "
-                          "first use); without it, compiled's reusing steps run graphs of the eager modules")
-    exp.add_argument("--subset-graph-gib", type=float, default=RuntimeConfig.subset_graph_gib,
-                     help="GiB of static outputs that reusing steps' CUDA graphs keep (rows x ~53 MB a bucket for "
-                          "SDXL at 1024 px); past it the least recently used lets go of its own")
+                     help="also capture template edits' reusing steps at the warm-up sizes, every row bucket and "
+                          "token share (compiled: after compiling their halves, minutes); without it, compiled's "
+                          "reusing steps run graphs of the eager modules")
+    exp.add_argument("--subset-graph-limit", type=int, default=RuntimeConfig.subset_graph_limit,
+                     help="reusing steps' buckets that keep their CUDA graphs (a pair and the decoder's output each); "
+                          "past it the least recently used lets go of its own")
     exp.add_argument("--vae-attention", choices=("fp32", "fp16", "bf16"), default=None,
                      help="precision of the VAE's attention product: fp32 is diffusers' exact upcast VAE "
                           "(default: bf16 on a fast runtime, fp32 on eager)")
@@ -230,7 +230,7 @@ def main(argv: list[str] | None = None) -> int:
                                 vae_attention=args.vae_attention, vae_dtype=args.vae_dtype, fp8=args.fp8,
                                 fp8_fast_accum=args.fp8_fast_accum, template_cache_gib=args.template_cache_gib,
                                 conv_subsets=args.conv_subsets, warmup_template_edits=args.warmup_template_edits,
-                                subset_graph_gib=args.subset_graph_gib,
+                                subset_graph_limit=args.subset_graph_limit,
                                 edit_share_ratio=args.edit_share_ratio)
         export_repository(args.model, args.out, options)
         return 0

@@ -94,7 +94,7 @@ class ExportOptions:
     fp8_fast_accum: bool = False  # RuntimeConfig.fp8_fast_accum
     conv_subsets: bool = False  # RuntimeConfig.conv_subsets
     warmup_template_edits: bool = False  # RuntimeConfig.warmup_template_edits
-    subset_graph_gib: float = RuntimeConfig.subset_graph_gib  # RuntimeConfig.subset_graph_gib
+    subset_graph_limit: int = RuntimeConfig.subset_graph_limit  # RuntimeConfig.subset_graph_limit
 
     def __post_init__(self):
         if self.device not in ("cpu", "cuda"):
@@ -146,7 +146,7 @@ class ExportOptions:
                              fused_kernels=self.fused_kernels, fp8=self.fp8,
                              fp8_fast_accum=self.fp8_fast_accum, conv_subsets=self.conv_subsets,
                              warmup_template_edits=self.warmup_template_edits,
-                             subset_graph_gib=self.subset_graph_gib)
+                             subset_graph_limit=self.subset_graph_limit)
 
     @property
     def denoiser_gpus(self) -> tuple[int, ...]:

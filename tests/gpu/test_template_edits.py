@@ -124,14 +124,14 @@ def test_a_block_serving_reusing_rows_never_waits_for_the_device():
 
 
 def test_reusing_buckets_past_the_limit_let_go_of_their_graphs_and_are_captured_again(repo):  # noqa: F811
-    """With room for one reusing bucket (a KiB of static outputs: the newest always stays), edits of
-    two mask sizes take turns: each capture releases the other's graphs (RuntimeConfig.subset_graph_gib),
-    and an edit captured again computes what it did the first time (fp32, 1e-5 relative: the same
-    kernels, captured anew)."""
+    """With room for one reusing bucket, edits of two mask sizes take turns: each capture releases
+    the other's graphs (RuntimeConfig.subset_graph_limit), and an edit captured again computes what
+    it did the first time (fp32, 1e-5 relative: the same kernels, captured anew), the encoder's
+    outputs shared by both buckets."""
     import numpy as np
 
     eager, fast, fast_runtime, encoder = eager_and_graphs_denoisers(
-        repo, RuntimeConfig(kind="graphs", subset_graph_gib=2**-20))
+        repo, RuntimeConfig(kind="graphs", subset_graph_limit=1))
     params = validate({"prompt": "a red door", "steps": 3, "width": 64, "height": 64, "seed": 4, "strength": 1.0},
                       Limits())
     embeds, pooled = encoder.encode(params)

@@ -101,14 +101,14 @@ def test_runtime_config_rejects_bad_values():
         RuntimeConfig(warmup_sizes=((64,),))
     assert RuntimeConfig(row_buckets=(8, 2)).row_buckets == (2, 8)
     assert RuntimeConfig(kind="graphs").miss_captures and not RuntimeConfig(kind="compiled").miss_captures
-    for bad in (0, -1.0, "8"):
-        with pytest.raises(ValueError, match="runtime.subset_graph_gib"):
-            RuntimeConfig.from_dict({"subset_graph_gib": bad})
-    # easel export --subset-graph-gib reaches the denoiser's runtime config
+    for bad in (0, 2.5, "8"):
+        with pytest.raises(ValueError, match="runtime.subset_graph_limit"):
+            RuntimeConfig.from_dict({"subset_graph_limit": bad})
+    # easel export --subset-graph-limit reaches the denoiser's runtime config
     from export.cli import parser
 
-    args = parser().parse_args(["export", "--model", "m", "--out", "o", "--subset-graph-gib", "2.5"])
-    assert ExportOptions(subset_graph_gib=args.subset_graph_gib).runtime_config(8, 64).subset_graph_gib == 2.5
+    args = parser().parse_args(["export", "--model", "m", "--out", "o", "--subset-graph-limit", "12"])
+    assert ExportOptions(subset_graph_limit=args.subset_graph_limit).runtime_config(8, 64).subset_graph_limit == 12
 
 
 def test_builder_wires_a_working_denoiser(repo):

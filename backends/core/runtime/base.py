@@ -53,7 +53,7 @@ class RuntimeStats:
     eager_steps: int = 0
     captures: int = 0
     capture_s: float = 0.0
-    released: int = 0  # reusing steps' buckets whose graphs were let go for want of room (subset_graph_gib)
+    released: int = 0  # reusing steps' buckets whose graphs were let go for want of room (subset_graph_limit)
     warmup_s: float = 0.0  # capturing (and compiling) the configured buckets at load
     misses: dict = field(default_factory=dict)  # shape -> steps run eager for want of a bucket
 

@@ -65,17 +65,15 @@ class RuntimeConfig:
     # halves under `compiled` where warmup_template_edits compiled them (or misses capture), else
     # of the eager modules; off: such steps run eager.
     subset_graphs: bool = True
-    # Also capture reusing steps' graphs at warmup_sizes, the smallest row bucket at every token
-    # share (a fraction of a second each; larger row buckets at first use); under `compiled`,
-    # compile the reusing halves there first (one compile per size, dynamic in rows and share:
-    # minutes for SDXL).
+    # Also capture reusing steps' graphs at warmup_sizes, every row bucket and token share (a
+    # fraction of a second each); under `compiled`, compile the reusing halves there first (one
+    # compile per size, dynamic in rows and share: minutes for SDXL).
     warmup_template_edits: bool = False
-    # Reusing steps' buckets keep their graphs while their static outputs fit in this many GiB
-    # (rows x ~53 MB a bucket at 1024 px for SDXL); past it the least recently used lets go of its
-    # own (captured again when next needed). Rows x shares x box sides is far more buckets than a
-    # device holds: every row bucket and share at SDXL size (48) left a recording edit out of
-    # memory on an H200.
-    subset_graph_gib: float = 16.0
+    # At most this many reusing steps' buckets keep their graphs; past it the least recently used
+    # lets go of its own (captured again when next needed). Rows x shares x box sides make many
+    # buckets; each keeps a graph pair and its decoder's output (its encoder writes into outputs
+    # that the buckets of its row count share).
+    subset_graph_limit: int = 64
     # Template edits' reusing rows also run the ResNet blocks on their mask's box, the rest from the
     # recording (runtime/conv_subsets.py), eager and as graphs (box sides as buckets), and the
     # upsamplers too: approximate beyond the transformer blocks' reuse, opt-in until measured at
@@ -92,8 +90,8 @@ class RuntimeConfig:
             raise ValueError("runtime.fp8: needs a fast runtime (graphs or compiled), not eager")
         if self.fp8_fast_accum and not self.fp8:
             raise ValueError("runtime.fp8_fast_accum: needs runtime.fp8 (parts in FP8)")
-        if not isinstance(self.subset_graph_gib, (int, float)) or not self.subset_graph_gib > 0:
-            raise ValueError(f"runtime.subset_graph_gib: {self.subset_graph_gib!r} is not a positive number of GiB")
+        if not isinstance(self.subset_graph_limit, int) or self.subset_graph_limit < 1:
+            raise ValueError(f"runtime.subset_graph_limit: {self.subset_graph_limit!r} is not a positive whole number")
         if not self.row_buckets or self.row_buckets[0] < 1:
             raise ValueError(f"runtime.row_buckets: {self.row_buckets} needs positive row counts")
         for size in self.warmup_sizes:

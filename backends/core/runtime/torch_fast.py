@@ -31,9 +31,9 @@ LoRA merges write into the weights' own memory, so captured graphs see them (tes
 All graphs of a runtime share one memory pool, captured on one side stream (freed memory is
 reused only on the stream that freed it: cuda_graphs._side_stream): they never run concurrently,
 and the static buffers stay referenced, so the pool never hands them out twice. Reusing buckets
-are many (row buckets x shares x boxes), so they keep their graphs while their static outputs fit
-`subset_graph_gib`: past it the least recently used lets go of its own, and the pool gives that
-memory to the next capture.
+are many (row buckets x shares x boxes): those of one size and row count share their encoder's
+outputs, and at most `subset_graph_limit` keep their graphs (past it the least recently used lets
+go of its own, and the pool gives that memory to the next capture).
 
 With `packed_attention` (the default) the halves take the text's cross-attention keys and values
 (runtime/packed_attention.py) in place of the text: one buffer per row count, recomputed only
@@ -115,9 +115,9 @@ class FastUNetRuntime:
         self.pool = torch.cuda.graph_pool_handle()
         self.buckets: dict[tuple, _Bucket] = {}
         self._recorded: dict[tuple, RecordedBuffers] = {}  # (h, w, rows) -> what reusing buckets share
+        self._enc_out: dict[tuple, tuple] = {}  # (rows, channels, h, w, dtype) -> reusing encoders' outputs
         self._warm_edits: set[tuple] = set()  # _size()s whose reusing buckets' compile was warmed up
-        # reusing buckets' keys -> their static outputs' bytes, least recently used first
-        self._reusing: OrderedDict[tuple, int] = OrderedDict()
+        self._reusing: OrderedDict[tuple, None] = OrderedDict()  # reusing buckets' keys, least recently used first
         if config.fused_kernels:
             from plugins import use_fused_kernels
 
@@ -247,14 +247,13 @@ class FastUNetRuntime:
                 self._capture_decoder(bucket, False, force=True)
                 if with_residuals:
                     self._capture_decoder(bucket, True, force=True)
-            if edits:  # the smallest row bucket at every share (compiled: the first compiles, dynamic
-                # in rows and share, the rest capture); other buckets at first use
-                rows = self.config.row_buckets[0]
-                batch = _resized(template, rows, h, w)
-                self._warm_edits.add(self._size(self._key(batch, rows)))
-                for share in GRAPH_SHARES:
-                    box = _square(share) if self.boxes else None
-                    self._capture_subsets(batch, rows, share, None, box)
+            if edits:  # every row bucket and share (compiled: the first compiles, dynamic in both, the rest capture)
+                for rows in self.config.row_buckets:
+                    batch = _resized(template, rows, h, w)
+                    self._warm_edits.add(self._size(self._key(batch, rows)))
+                    for share in GRAPH_SHARES:
+                        box = _square(share) if self.boxes else None
+                        self._capture_subsets(batch, rows, share, None, box)
         torch.cuda.synchronize(self.device)
         seconds = time.perf_counter() - start
         self.stats.warmup_s += seconds
@@ -311,12 +310,33 @@ class FastUNetRuntime:
     def _capture_half(self, bucket: _Bucket, half: int, args: tuple) -> tuple:
         """(graph, static outputs) of `bucket`'s encoder (`half` 0) or decoder (1) on `args`, under
         its token layout. A compiled reusing half first runs eager: the static subsets' buffers are
-        made there, so that the compile reads them rather than makes them."""
+        made there, so that the compile reads them rather than makes them. A reusing encoder writes
+        into the outputs its size and row count's reusing buckets share (`_shared_encoder`)."""
         *halves, compiled = self._halves(bucket)
+        fn = halves[half]
+        if half == 0 and bucket.subsets is not None:
+            fn = self._shared_encoder(fn, (*bucket.sample.shape, bucket.sample.dtype))
         with self._layout(bucket):
             if compiled and bucket.subsets is not None:
                 (self.eager.encoder, self.eager.decoder)[half](*args)
-            return capture(halves[half], args, self.pool, compiled, WARMUP_RUNS)
+            return capture(fn, args, self.pool, compiled, WARMUP_RUNS)
+
+    def _shared_encoder(self, encoder, where: tuple):
+        """`encoder`, its outputs copied into the buffers of `where` (rows, channels, h, w, dtype):
+        reusing buckets are many and never run at once, and their encoder outputs (53 MB a row at
+        1024 px for SDXL) are the most of what each would keep. The buffers are made at the first
+        run, a capture's warm-up (outside the graph); the copy costs a pass over them per step."""
+        def run(*args):
+            out = encoder(*args)
+            shared = self._enc_out.get(where)
+            if shared is None:
+                emb, mid, skips = out
+                shared = self._enc_out[where] = (torch.empty_like(emb), torch.empty_like(mid),
+                                                 tuple(torch.empty_like(s) for s in skips))
+            for buffer, value in zip((shared[0], shared[1], *shared[2]), (out[0], out[1], *out[2])):
+                buffer.copy_(value)
+            return shared
+        return run
 
     def _layout(self, bucket: _Bucket):
         """While capturing a reusing step's bucket: its static token subsets seen by the blocks."""
@@ -357,17 +377,16 @@ class FastUNetRuntime:
         # The decoder's too, now: its blocks' buffers are made before its capture, and the step's
         # fill must reach them.
         self._capture_decoder(bucket, False)
-        self._reusing[key] = _static_bytes(bucket)
+        self._reusing[key] = None
         self._make_room()
         return bucket
 
     def _make_room(self) -> None:
-        """Let the least recently used reusing buckets go, never the newest, until their static
-        outputs fit subset_graph_gib: their graphs and outputs return to the shared pool, where the
-        next capture takes them. A bucket still read by a step in flight (EncoderOut.meta) stays
-        alive until that step ends."""
-        budget = self.config.subset_graph_gib * 2**30
-        while len(self._reusing) > 1 and sum(self._reusing.values()) > budget:
+        """Let the least recently used reusing buckets go, never the newest, until subset_graph_limit
+        holds them: their graphs and outputs return to the shared pool, where the next capture takes
+        them. A bucket still read by a step in flight (EncoderOut.meta) stays alive until that step
+        ends."""
+        while len(self._reusing) > self.config.subset_graph_limit:
             key, _ = self._reusing.popitem(last=False)
             self.buckets.pop(key)
             self.stats.released += 1
@@ -406,13 +425,6 @@ class FastUNetRuntime:
         self.stats.capture_s += seconds
         log.info("captured the %s graph for %s rows in %.2f s (device memory reserved: %.2f GiB)", what, rows,
                  seconds, torch.cuda.memory_reserved(self.device) / 2**30)
-
-
-def _static_bytes(bucket: _Bucket) -> int:
-    """What a bucket's graphs write and keep: the encoder's outputs and each decoder's."""
-    emb, mid, skips = bucket.enc_out
-    kept = [emb, mid, *skips, *(noise for _, noise, _ in bucket.decoders.values())]
-    return sum(t.numel() * t.element_size() for t in kept)
 
 
 def _square(share: float) -> tuple[float, float]:
