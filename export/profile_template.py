@@ -130,42 +130,60 @@ def load_ms(nbytes: int, device, stream, iters: int) -> float:
     return statistics.median(gpu_ms(load, iters, warmup=1))
 
 
-def conv_record_bytes(encoder, decoder, size: int) -> int:
-    """One row's bytes of a step's recording outside the transformer blocks under conv_subsets
-    (runtime/conv_subsets.py: each plain ResNet block's output, norm2's statistics and per-position
-    deviation sums in fp32, each plain upsampler's output), from one step of the UNet's halves."""
+def recorded_layout(config, size: int, rows: int = 1, blocks: bool = True, convs: bool = True,
+                    dtype=None) -> list[tuple[tuple, object]]:
+    """(shape, dtype) of each output a template recording keeps per step for `rows` rows, in the
+    order a step makes them, from a meta-device UNet of `config` (no weights, no device): with
+    `blocks` each transformer block's [rows, L, C]; with `convs` (runtime/conv_subsets.py) each
+    plain ResNet block's output, norm2's statistics [rows, 2, groups] and per-position deviation
+    sums [rows, 2, groups, h, w] (fp32), and each plain upsampler's output. Outputs in `dtype`
+    (fp16 by default)."""
     import torch
+    from diffusers import UNet2DConditionModel
+    from diffusers.models.attention import BasicTransformerBlock
 
     from backends.core.runtime import conv_subsets
 
-    unet = encoder.unet
-    param = next(unet.parameters())
-    cfg, latent, total = unet.config, size // 8, [0]
+    dtype = dtype or torch.float16
+    layout = []
 
-    def count(module, args, output):
-        if conv_subsets.plain(module):
-            groups, positions = module.norm2.num_groups, output.shape[-2] * output.shape[-1]
-            total[0] += output[0].numel() * output.element_size() + 4 * 2 * groups * (1 + positions)
-        elif conv_subsets.plain_upsampler(module):
-            total[0] += output[0].numel() * output.element_size()
+    def keep(module, args, output):
+        if isinstance(module, BasicTransformerBlock):
+            layout.append(((rows, *output.shape[1:]), dtype))
+        elif conv_subsets.plain(module):
+            (channels, h, w), groups = output.shape[1:], module.norm2.num_groups
+            layout.extend([((rows, channels, h, w), dtype), ((rows, 2, groups), torch.float32),
+                           ((rows, 2, groups, h, w), torch.float32)])
+        else:  # a plain upsampler
+            layout.append(((rows, *output.shape[1:]), dtype))
 
-    hooks = [m.register_forward_hook(count) for m in unet.modules()
-             if conv_subsets.plain(m) or conv_subsets.plain_upsampler(m)]
-    try:
-        def zeros(*shape):
-            return torch.zeros(shape, device=param.device, dtype=param.dtype)
-
+    with torch.device("meta"):
+        unet = UNet2DConditionModel.from_config(config).eval()
+        cfg = unet.config
+        for m in unet.modules():
+            if (blocks and isinstance(m, BasicTransformerBlock)) or \
+                    (convs and (conv_subsets.plain(m) or conv_subsets.plain_upsampler(m))):
+                m.register_forward_hook(keep)
+        latent = size // 8
         pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
-        time_ids = torch.tensor([[size, size, 0, 0, size, size]], device=param.device, dtype=param.dtype)
-        with torch.inference_mode():
-            text = zeros(1, 77, cfg.cross_attention_dim)
-            emb, mid, skips = encoder(zeros(1, cfg.in_channels, latent, latent), torch.tensor([500.0], device=param.device),
-                                      text, zeros(1, pooled), time_ids)
-            decoder(emb, mid, skips, text)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    return total[0]
+        with torch.no_grad():
+            unet(torch.empty(1, cfg.in_channels, latent, latent), torch.tensor(999.0),
+                 torch.empty(1, 77, cfg.cross_attention_dim),
+                 added_cond_kwargs={"text_embeds": torch.empty(1, pooled), "time_ids": torch.empty(1, 6)})
+    return layout
+
+
+def layout_bytes(layout) -> int:
+    import math
+
+    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout)
+
+
+def conv_record_bytes(unet, size: int) -> int:
+    """One row's bytes of a step's recording outside the transformer blocks under conv_subsets
+    (recorded_layout's `convs` part, in the UNet's dtype)."""
+    dtype = next(unet.parameters()).dtype
+    return layout_bytes(recorded_layout(unet.config, size, rows=1, blocks=False, dtype=dtype))
 
 
 def as_profile(measured: list[dict], size: int, rows: int, fixed_load_ms: float = 0.0) -> BlockProfile:
@@ -195,12 +213,12 @@ def profile_template(repo: str | Path, size: int | None = None, iters: int = 10)
     device = "cuda:0" if "KIND_GPU" in (first / "config.pbtxt").read_text() else "cpu"
     config = DenoiserConfig.from_json(params["denoiser"])
     size = size or config.limits.default_width
-    unet, encoder, decoder = load_unet_halves(first / "1", Placement(device, params.get("dtype", "fp32")))
+    unet, _, _ = load_unet_halves(first / "1", Placement(device, params.get("dtype", "fp32")))
     fixed_ms = 0.0  # (on a CPU loads cost nothing: the recording is where the compute is)
     if config.runtime.conv_subsets and device.startswith("cuda"):
         import torch
 
-        nbytes = conv_record_bytes(encoder, decoder, size)
+        nbytes = conv_record_bytes(unet, size)
         fixed_ms = load_ms(nbytes, device, torch.cuda.Stream(device), iters)
         log.info("a row of a step's ResNet and upsampler recordings: %.1f MB, %.3f ms to load", nbytes / 1e6, fixed_ms)
     measured = measure_blocks(unet, size, iters=iters)

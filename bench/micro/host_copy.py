@@ -9,8 +9,8 @@ pins, three ways:
 - `block_flat`: the same block, the step's range in one copy (a step that takes every block).
 
 A step's outputs are SDXL's at `--size` for `--rows` rows, as a recording with the ResNet boxes
-keeps them (`--conv-subsets`: each plain ResNet block's output, norm2's statistics and per-position
-sums in fp32, each upsampler's output; runtime/conv_subsets.py), shapes from a meta-device UNet.
+keeps them (`--conv-subsets`: the ResNet blocks' and upsamplers' parts too;
+export/profile_template.recorded_layout, from a meta-device UNet).
 GPU times from CUDA events on a load stream (median of `--iters` over `--steps` steps held).
 
     python3 -m bench.micro.host_copy --work /tmp/hc --out $OUT/host_copy.json --conv-subsets
@@ -18,58 +18,14 @@ GPU times from CUDA events on a load stream (median of `--iters` over `--steps` 
 
 from __future__ import annotations
 
+import itertools
 import logging
 import statistics
 
 from clients.bench.common import bench_parser, start_logging, write_json
+from export.profile_template import gpu_ms, layout_bytes, recorded_layout
 
 log = logging.getLogger("bench.micro.host_copy")
-
-
-def step_layout(size: int, rows: int, conv_subsets: bool, variant: str = "sdxl") -> list[tuple[tuple, object]]:
-    """(shape, dtype) of each output a recording keeps per step for `rows` rows, in the order a
-    step makes them: transformer blocks' [rows, L, C] in fp16, and with `conv_subsets` each plain
-    ResNet block's output (fp16), norm2's statistics [rows, 2, groups] and per-position sums
-    [rows, 2, groups, h, w] (fp32), each plain upsampler's output (fp16)."""
-    import torch
-    from diffusers import UNet2DConditionModel
-    from diffusers.models.attention import BasicTransformerBlock
-
-    from backends.core.runtime import conv_subsets as convs
-    from export.tiny import unet_kwargs
-
-    layout = []
-
-    def hook(module, args, output):
-        if isinstance(module, BasicTransformerBlock):
-            layout.append(((rows, *output.shape[1:]), torch.float16))
-        elif convs.plain(module):
-            (channels, h, w), groups = output.shape[1:], module.norm2.num_groups
-            layout.extend([((rows, channels, h, w), torch.float16), ((rows, 2, groups), torch.float32),
-                           ((rows, 2, groups, h, w), torch.float32)])
-        else:
-            layout.append(((rows, *output.shape[1:]), torch.float16))
-
-    with torch.device("meta"):
-        unet = UNet2DConditionModel(**unet_kwargs(variant)).eval()
-        cfg = unet.config
-        recorded = [m for m in unet.modules() if isinstance(m, BasicTransformerBlock)
-                    or (conv_subsets and (convs.plain(m) or convs.plain_upsampler(m)))]
-        for m in recorded:
-            m.register_forward_hook(hook)
-        latent = size // 8
-        pooled = cfg.projection_class_embeddings_input_dim - 6 * cfg.addition_time_embed_dim
-        with torch.no_grad():
-            unet(torch.empty(1, cfg.in_channels, latent, latent), torch.tensor(999.0),
-                 torch.empty(1, 77, cfg.cross_attention_dim),
-                 added_cond_kwargs={"text_embeds": torch.empty(1, pooled), "time_ids": torch.empty(1, 6)})
-    return layout
-
-
-def layout_bytes(layout) -> int:
-    import math
-
-    return sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout)
 
 
 def measure(layout, steps: int, iters: int) -> dict:
@@ -88,18 +44,16 @@ def measure(layout, steps: int, iters: int) -> dict:
         stats = getattr(torch.cuda, "host_memory_stats", lambda: {})()
         return int(stats.get("allocated_bytes.current", stats.get("reserved_bytes.all.current", -1)))
 
-    def timed(pairs) -> float:
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        with torch.cuda.stream(stream):
-            begin.record()
-            for target, source in pairs:
-                target.copy_(source, non_blocking=True)
-            end.record()
-        end.synchronize()
-        return begin.elapsed_time(end)
-
     def run(name: str, step_pairs: list) -> dict:
-        times = [timed(step_pairs[i % steps]) for i in range(iters + 1)][1:]  # the first warms up
+        turns = itertools.cycle(step_pairs)
+
+        def copy():  # one step's copies on the load stream, the current stream waiting for them
+            with torch.cuda.stream(stream):
+                for target, source in next(turns):
+                    target.copy_(source, non_blocking=True)
+            torch.cuda.current_stream(device).wait_stream(stream)
+
+        times = gpu_ms(copy, iters, warmup=1)
         ms = statistics.median(times)
         entry = {"ms": ms, "gb_s": nbytes / ms / 1e6, "spread_ms": [min(times), max(times)]}
         log.info("%s: %.2f ms a step (%.1f GB/s; %.2f-%.2f ms)", name, ms, entry["gb_s"], *entry["spread_ms"])
@@ -139,7 +93,9 @@ def main(argv=None) -> int:
     start_logging()
     import torch
 
-    layout = step_layout(args.size, args.rows, args.conv_subsets)
+    from export.tiny import unet_kwargs
+
+    layout = recorded_layout(unet_kwargs("sdxl"), args.size, args.rows, convs=args.conv_subsets)
     nbytes = layout_bytes(layout)
     log.info("a step of the recording: %d outputs, %.1f MB for %d rows", len(layout), nbytes / 1e6, args.rows)
     report = {"size": args.size, "rows": args.rows, "conv_subsets": args.conv_subsets, "step_bytes": nbytes}

@@ -49,7 +49,7 @@ def test_a_recordings_resnet_and_upsampler_parts_are_counted(tiny_model):
 
     unet = UNet2DConditionModel.from_pretrained(tiny_model / "unet").eval()
     encoder, decoder = split_unet(unet)
-    nbytes = conv_record_bytes(encoder, decoder, 128)  # (before the blocks' classes are swapped)
+    nbytes = conv_record_bytes(unet, 128)  # (before the blocks' classes are swapped)
     runtime = EagerUNetRuntime(unet, encoder, decoder, conv_subsets=True)
     record = TemplateActivations(1)
     cfg = unet.config
