@@ -6,17 +6,18 @@ from __future__ import annotations
 
 import torch
 
+from backends.core.engine import host_block
 from backends.core.engine.template_stream import StreamedActivations
 from backends.core.runtime.token_subsets import TemplateActivations
 
 
 def host_recording(rows: int, blocks: int, tokens: int, width: int, steps: int = 3):
-    """A host recording whose outputs are 10 * step + block, read through StreamedActivations;
-    the list its copies' bytes are counted into."""
-    host = TemplateActivations(rows, complete=True, host=True)
-    for step in range(steps):
-        for block in range(blocks):
-            host.outputs[(step, block)] = torch.full((rows, tokens, width), float(10 * step + block))
+    """A host recording whose outputs are 10 * step + block, in one host block as the template
+    cache keeps it, read through StreamedActivations; the list its copies' bytes are counted into."""
+    outputs = {(step, block): torch.full((rows, tokens, width), float(10 * step + block))
+               for step in range(steps) for block in range(blocks)}
+    block, views = host_block.pack(outputs, pin=False)
+    host = TemplateActivations(rows, views, complete=True, host=True, block=block)
     counted = []
     return host, StreamedActivations(host, torch.device("cpu"), None, counted.append), counted
 
@@ -53,21 +54,20 @@ def test_a_recording_in_one_host_block_streams_each_whole_step_in_one_copy():
     """The template cache's host tier packs a recording into one block (engine/host_block.py), a
     step's outputs one range of it: a step copying every block copies that range into views of one
     device range laid out alike; a planned subset copies its blocks into those views."""
-    from backends.core.engine import host_block
-
-    loose, _, _ = host_recording(rows=2, blocks=3, tokens=5, width=3)
-    loose.outputs[(0, 1)] = loose.outputs[(0, 1)].half()  # a dtype of another size: offsets stay aligned
-    block, views = host_block.pack(loose.outputs, pin=False)
-    assert all(torch.equal(views[k], t) for k, t in loose.outputs.items())
+    source, _, _ = host_recording(rows=2, blocks=3, tokens=5, width=3)
+    outputs = dict(source.outputs)
+    outputs[(0, 1)] = outputs[(0, 1)].half()  # a dtype of another size: offsets stay aligned
+    block, views = host_block.pack(outputs, pin=False)
+    assert all(torch.equal(views[k], t) for k, t in outputs.items())
     assert all((v.data_ptr() - block.data_ptr()) % host_block.ALIGN == 0 for v in views.values())
     host = TemplateActivations(2, views, complete=True, host=True, block=block)
-    assert host.nbytes == block.numel() >= loose.nbytes
+    assert host.nbytes == block.numel() >= sum(t.numel() * t.element_size() for t in outputs.values())
     counted = []
     reader = StreamedActivations(host, torch.device("cpu"), None, counted.append)
     reader.prepare(0, last=2, first=frozenset({1}), ahead=None)  # step 0: one block; step 1: all, flat
     assert torch.equal(reader.get(0, 1, 1), host.get(0, 1, 1))
     start, end = host_block.span(block, [views[(1, b)] for b in range(3)])
-    assert torch.equal(reader._buffers[1]["flat"], block[start:end])
+    assert torch.equal(reader._buffers[1].flat, block[start:end])
     reader.prepare(1, last=2)
     assert all(torch.equal(reader.get(1, b, r), host.get(1, b, r)) for b in range(3) for r in range(2))
     reader.prepare(2, last=2)  # step 0's parity: its layout differs (a half block), so its buffers are made again

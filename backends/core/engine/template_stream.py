@@ -12,14 +12,16 @@ the compute stream after that step's kernels.
 Only the transformer blocks a plan names are copied (runtime/cache_plan.StreamPlans: Algorithm 1
 with the copies' times, so that a copy never outlasts the step it hides behind), with whatever
 else the recording holds (runtime/conv_subsets.py's ResNet blocks); a step takes the recording in
-the blocks copied for it (`prepare`'s return) and runs the others whole. A step that copies every
-block, from a recording in one host block (engine/host_block.py), goes in one transfer.
+the blocks copied for it (`prepare`'s return) and runs the others whole. The recording is one host
+block (engine/host_block.py), a step's outputs one range of it: a step that copies every block goes
+in one transfer, into views of one device range laid out alike.
 """
 
 from __future__ import annotations
 
 import math
 from collections import defaultdict
+from dataclasses import dataclass
 from typing import Callable
 
 import torch
@@ -29,9 +31,18 @@ from backends.core.runtime.conv_subsets import is_block_key
 from backends.core.runtime.token_subsets import TemplateActivations
 
 
+@dataclass
+class _DeviceStep:
+    """One parity's device range, laid out as a step's range in the host block, and its views."""
+
+    layout: tuple  # (offset in the range, key, shape, dtype) of each output
+    flat: torch.Tensor
+    views: dict[int, torch.Tensor]
+
+
 class StreamedActivations:
     """What a reusing edit's blocks read (`get`, as TemplateActivations's) for the step that
-    `prepare` made ready, from a recording in host memory."""
+    `prepare` made ready, from a recording in host memory (one host block: engine/host_block.py)."""
 
     def __init__(self, host: TemplateActivations, device: torch.device, stream: torch.cuda.Stream | None,
                  loaded: Callable[[int], None] = lambda nbytes: None,
@@ -39,12 +50,14 @@ class StreamedActivations:
         """`stream`: the load stream (None on a CPU: copies are made in place); `loaded(nbytes)`
         counts the bytes copied, `waited(reached, done)` each wait of the compute stream for a
         copy (the cache's metrics: its stall is `done` minus `reached`, where positive)."""
+        if host.block is None:
+            raise ValueError("a streamed recording is kept in one host block (engine/host_block.pack)")
         self.host, self.device, self.stream, self.loaded, self.waited = host, device, stream, loaded, waited
         self.rows = host.rows
         self._steps: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)  # step -> block -> [rows, L, C]
         for (step, block), t in host.outputs.items():
             self._steps[step][block] = t
-        self._buffers: list[dict[int, torch.Tensor] | None] = [None, None]  # by step parity
+        self._buffers: list[_DeviceStep | None] = [None, None]  # by step parity
         self._ready: dict[int, torch.cuda.Event | None] = {}  # steps issued -> their copy's event
         self._copied: dict[int, frozenset[int] | None] = {}  # steps issued -> their blocks (None: every one)
 
@@ -53,7 +66,7 @@ class StreamedActivations:
         return self.host.complete
 
     def get(self, step: int, block: int, row: int) -> torch.Tensor:
-        return self._buffers[step % 2][block][row]
+        return self._buffers[step % 2].views[block][row]
 
     def holds(self, step: int, key: int) -> bool:
         return key in self._steps[step]
@@ -84,13 +97,15 @@ class StreamedActivations:
         else:
             blocks = None
         self._copied[step] = None if blocks is None else frozenset(b for b in outputs if is_block_key(b))
-        buffers = self._device_buffers(step)
-        # The whole step from the host block in one transfer (its outputs are one range there).
-        pairs = [(buffers[_FLAT], self._flat_source(step))] if blocks is None and _FLAT in buffers else \
-            [(buffers[b], t) for b, t in outputs.items()]
+        block = self.host.block
+        start, end = host_block.span(block, list(self._steps[step].values()))
+        target = self._device_step(step, start, end)
+        # The whole step in one transfer (its outputs are one range of the host block), else block by block.
+        pairs = [(target.flat, block[start:end])] if blocks is None else \
+            [(target.views[b], t) for b, t in outputs.items()]
         if self.stream is None:
-            for target, source in pairs:
-                target.copy_(source)
+            for dst, src in pairs:
+                dst.copy_(src)
             self._ready[step] = None
         else:
             # After every kernel queued on the compute stream so far: the last step that read this
@@ -99,50 +114,25 @@ class StreamedActivations:
             read.record(torch.cuda.current_stream(self.device))
             self.stream.wait_event(read)
             with torch.cuda.stream(self.stream):
-                for target, source in pairs:
-                    target.copy_(source, non_blocking=True)
+                for dst, src in pairs:
+                    dst.copy_(src, non_blocking=True)
                 done = torch.cuda.Event(enable_timing=True)
                 done.record(self.stream)
             self._ready[step] = done
         self.loaded(sum(t.numel() * t.element_size() for t in outputs.values()))
 
-    def _range(self, step: int) -> tuple[int, int] | None:
-        """(start, end) of the step's outputs in the host block; None where the recording has none."""
-        if self.host.block is None:
-            return None
-        return host_block.span(self.host.block, list(self._steps[step].values()))
-
-    def _flat_source(self, step: int) -> torch.Tensor:
-        start, end = self._range(step)
-        return self.host.block[start:end]
-
-    def _device_buffers(self, step: int) -> dict:
-        """The device buffers `step` is copied into (its parity's): every block's, whichever blocks a
-        step copies. With a host block they are views of one device range laid out as the step's
-        host range (that range under _FLAT), made again where a step's layout differs from the
-        last one's."""
-        where = self._range(step)
-        layout = () if where is None else tuple(sorted(
-            (t.data_ptr() - self.host.block.data_ptr() - where[0], b, tuple(t.shape), t.dtype)
-            for b, t in self._steps[step].items()))
-        buffers = self._buffers[step % 2]
-        if buffers is not None and buffers.get(_LAYOUT, ()) == layout:
-            return buffers
-        if layout:
-            flat = torch.empty(where[1] - where[0], dtype=torch.uint8, device=self.device)
-            buffers = {b: flat[at:at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
-                       for at, b, shape, dtype in layout}
-            buffers[_FLAT], buffers[_LAYOUT] = flat, layout
-            made = [flat]
-        else:
-            buffers = {b: torch.empty_like(t, device=self.device) for b, t in self._steps[step].items()}
-            made = list(buffers.values())
+    def _device_step(self, step: int, start: int, end: int) -> _DeviceStep:
+        """The device range `step` is copied into (its parity's), laid out as the step's host range
+        [start, end): made again where a step's layout differs from the last one's."""
+        base = self.host.block.data_ptr() + start
+        layout = tuple(sorted((t.data_ptr() - base, b, tuple(t.shape), t.dtype) for b, t in self._steps[step].items()))
+        kept = self._buffers[step % 2]
+        if kept is not None and kept.layout == layout:
+            return kept
+        flat = torch.empty(end - start, dtype=torch.uint8, device=self.device)
         if self.stream is not None:  # written on the load stream, freed with the request on ours
-            for t in made:
-                t.record_stream(self.stream)
-        self._buffers[step % 2] = buffers
-        return buffers
-
-
-# Keys of a parity's device buffers beside the blocks' (never a block key: those are ints).
-_FLAT, _LAYOUT = "flat", "layout"
+            flat.record_stream(self.stream)
+        views = {b: flat[at:at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
+                 for at, b, shape, dtype in layout}
+        kept = self._buffers[step % 2] = _DeviceStep(layout, flat, views)
+        return kept
