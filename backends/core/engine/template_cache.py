@@ -224,8 +224,7 @@ class TemplateCache:
                 continue
             total -= kept.nbytes
             if tier == "device" and self.budgets["host"]:
-                self._tiers["host"][name] = _moved(kept, torch.device("cpu"), pin=self.device.type == "cuda",
-                                                   host=True)
+                self._tiers["host"][name] = self._hosted(kept)
 
     def _load(self, tier: str, name: str, kept) -> TemplateActivations:
         """(The loader thread.) Read (disk) and copy to the device on the loader's own stream, then
@@ -267,10 +266,16 @@ class TemplateCache:
                 self.stats.load_seconds += time.perf_counter() - start
                 self._loading.pop(name, None)
 
+    def _hosted(self, recording: TemplateActivations) -> TemplateActivations:
+        """The host tier's copy of `recording` (an edit streams it): one host block
+        (engine/host_block.py), page-locked on a GPU host."""
+        block, outputs = host_block.pack(_written(recording).outputs, pin=self.device.type == "cuda")
+        return TemplateActivations(recording.rows, outputs, complete=True, host=True, block=block)
+
     def _to_host(self, name: str, recording: TemplateActivations) -> TemplateActivations:
         """(The loader thread.) A recording read from disk, pinned, into the host tier (kept there
         while it fits its budget)."""
-        host = _moved(recording, torch.device("cpu"), pin=self.device.type == "cuda", host=True)
+        host = self._hosted(recording)
         with self._lock:
             self.stats.loaded_bytes["disk"] += host.nbytes
             if name in self._tiers["disk"]:
@@ -320,17 +325,16 @@ def _key_text(key: tuple) -> str:
     return json.dumps(key, separators=(",", ":"))
 
 
-def _moved(recording: TemplateActivations, device: torch.device, pin: bool = False,
-           host: bool = False) -> TemplateActivations:
-    """A copy on `device`; `host`: the copy is the host tier's (an edit streams it), in one host
-    block (engine/host_block.py), page-locked where `pin`."""
+def _written(recording: TemplateActivations) -> TemplateActivations:
     if recording.written is not None:
         recording.written.synchronize()  # its last steps may still be queued on the engine's stream
-    if host:
-        block, outputs = host_block.pack(recording.outputs, pin)
-        return TemplateActivations(recording.rows, outputs, complete=True, host=True, block=block)
+    return recording
+
+
+def _moved(recording: TemplateActivations, device: torch.device) -> TemplateActivations:
+    """A copy on `device`."""
     return TemplateActivations(recording.rows, {k: t.to(device, non_blocking=device.type == "cuda")
-                                                for k, t in recording.outputs.items()}, complete=True)
+                                                for k, t in _written(recording).outputs.items()}, complete=True)
 
 
 def _from_file(tensors: dict[str, torch.Tensor], path: Path) -> TemplateActivations:
