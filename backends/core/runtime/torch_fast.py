@@ -115,7 +115,7 @@ class FastUNetRuntime:
         self.pool = torch.cuda.graph_pool_handle()
         self.buckets: dict[tuple, _Bucket] = {}
         self._recorded: dict[tuple, RecordedBuffers] = {}  # (h, w, rows) -> what reusing buckets share
-        self._enc_out: dict[tuple, tuple] = {}  # (rows, channels, h, w, dtype) -> reusing encoders' outputs
+        self._enc_out: dict[tuple, tuple] = {}  # (h, w, rows) -> the reusing encoders' outputs
         self._warm_edits: set[tuple] = set()  # _size()s whose reusing buckets' compile was warmed up
         self._reusing: OrderedDict[tuple, None] = OrderedDict()  # reusing buckets' keys, least recently used first
         if config.fused_kernels:
@@ -315,14 +315,14 @@ class FastUNetRuntime:
         *halves, compiled = self._halves(bucket)
         fn = halves[half]
         if half == 0 and bucket.subsets is not None:
-            fn = self._shared_encoder(fn, (*bucket.sample.shape, bucket.sample.dtype))
+            fn = self._shared_encoder(fn, (*bucket.sample.shape[2:], bucket.rows))
         with self._layout(bucket):
             if compiled and bucket.subsets is not None:
                 (self.eager.encoder, self.eager.decoder)[half](*args)
             return capture(fn, args, self.pool, compiled, WARMUP_RUNS)
 
     def _shared_encoder(self, encoder, where: tuple):
-        """`encoder`, its outputs copied into the buffers of `where` (rows, channels, h, w, dtype):
+        """`encoder`, its outputs copied into the buffers of `where` (h, w, rows; as `_recorded`):
         reusing buckets are many and never run at once, and their encoder outputs (53 MB a row at
         1024 px for SDXL) are the most of what each would keep. The buffers are made at the first
         run, a capture's warm-up (outside the graph); the copy costs a pass over them per step."""
