@@ -24,15 +24,15 @@ def test_captures_sharing_a_pool_reuse_each_others_freed_memory():
         # (every graph kept alive, as a runtime keeps its buckets': a pool whose graphs are all gone
         # may not be captured into again)
         graphs = [capture(fn, (x,), pool)]
-        outputs = [graphs[0][1]]
         torch.cuda.synchronize()
         first = torch.cuda.memory_reserved()
         graphs += [capture(fn, (x,), pool) for _ in range(4)]
         torch.cuda.synchronize()
         grown = torch.cuda.memory_reserved() - first
-        for graph, out in graphs[1:]:
+        outputs = []
+        for graph, out in graphs:  # (a capture only records: its outputs hold values once replayed)
             graph.replay()
-            outputs.append(out)
+            outputs.append(out.clone())
         torch.cuda.synchronize()
     assert grown < 64 * MIB, f"four more captures reserved {grown / MIB:.0f} MiB"
     assert all(torch.allclose(out, outputs[0]) for out in outputs)

@@ -172,62 +172,6 @@ class ResnetThenUpsampler(torch.nn.Module):
         return self.up(self.resnet(x, temb))
 
 
-def test_the_compiled_box_operators_give_their_bodies_outputs_one_compile_for_every_width():
-    """Under `compiled` the boxes' operators run their bodies compiled by inductor
-    (StaticSubsets.compiled_boxes): within 1e-5 of the largest magnitude of their eager outputs
-    (fp32; inductor fuses the statistics' sums in another order), and with every size dynamic and
-    the convolutions opaque, one compile serves ResNet blocks of other channels and grids and every
-    upsampler (inductor fixes a convolution's weight sizes: lowered, each width compiled again)."""
-    from diffusers.models.resnet import ResnetBlock2D
-    from diffusers.models.upsampling import Upsample2D
-    from torch._dynamo import reset
-    from torch._dynamo.utils import counters
-
-    class Plain(torch.nn.Module):  # a ResNet block without a shortcut, then an upsampler
-        def __init__(self, channels):
-            super().__init__()
-            self.resnet = ResnetBlock2D(in_channels=channels, out_channels=channels, temb_channels=TEMB, groups=4)
-            self.up = Upsample2D(channels, use_conv=True)
-
-        def forward(self, x, temb):
-            return self.up(self.resnet(x, temb))
-
-    from backends.core.runtime.token_subsets import RECORD
-
-    reset()
-    counters.clear()
-    g = torch.Generator().manual_seed(7)
-    try:
-        for channels, (height, width) in ((8, (HEIGHT, WIDTH)), (16, (HEIGHT // 2 + 1, WIDTH // 2))):
-            torch.manual_seed(channels)
-            model = Plain(channels).eval().to(memory_format=torch.channels_last)
-            context = install(model, convs=True)
-            template = TemplateActivations(2)
-            x = torch.randn(2, channels, height, width, generator=g).contiguous(memory_format=torch.channels_last)
-            temb = torch.randn(2, TEMB, generator=g)
-            m = torch.zeros(1, 1, height, width)
-            m[..., 1:4, 2:5] = 1
-            layout = TokenLayout(tuple(TokenRow(REUSE, template, 0, k, computed_tokens(m, 1), masked_boxes(m, 1))
-                                       for k in range(2)))
-            outputs = []
-            with torch.inference_mode():
-                context.layout = TokenLayout((TokenRow(RECORD, template, 0, 0), TokenRow(RECORD, template, 0, 1)))
-                model(torch.randn(2, channels, height, width, generator=g), temb)
-                for compiled in (False, True):
-                    static = StaticSubsets(2, graph_share(layout), None, context, RecordedBuffers(),
-                                           graph_box(layout, height, width, context.box_keys), compiled_boxes=compiled)
-                    context.layout = static
-                    model(x, temb)
-                    static.fill(layout)
-                    outputs.append(model(x, temb))
-                context.layout = None
-            want, got = outputs
-            assert (got - want).abs().max() <= 1e-5 * want.abs().max(), channels
-        assert counters["stats"]["unique_graphs"] == 2  # the ResNet blocks' body and the upsamplers'
-    finally:
-        reset()
-
-
 def test_one_compile_serves_every_box_size_token_share_and_row_count():
     """Under `compiled` the reusing halves are compiled once per latent size: the boxes' spans,
     like the rows and token counts, are dynamic, so a new box size is a new graph, not a compile.

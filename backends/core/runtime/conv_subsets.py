@@ -40,7 +40,6 @@ static form does under a load plan (blocks run whole change tokens beyond the bo
 
 from __future__ import annotations
 
-import functools
 import math
 
 import torch
@@ -225,8 +224,7 @@ def graph_box(layout, height: int, width: int, recorded: tuple[int, ...] = (KEY_
 
 
 def static_region(block, x: torch.Tensor, temb: torch.Tensor, tokens: torch.Tensor, spans: tuple,
-                  recorded: torch.Tensor, norm2_stats: torch.Tensor, norm2_maps: torch.Tensor,
-                  compiled: bool = False) -> torch.Tensor:
+                  recorded: torch.Tensor, norm2_stats: torch.Tensor, norm2_maps: torch.Tensor) -> torch.Tensor:
     """region() in the static form: what each row gets alone, from fixed-size tensors and no host
     value. `tokens` ([rows, n]: each row's computed tokens at this grid, padded by repeating) gives
     each row's own box; `spans` (tensors as long as the box's height and width: only their lengths
@@ -235,10 +233,7 @@ def static_region(block, x: torch.Tensor, temb: torch.Tensor, tokens: torch.Tens
     The box's work is one operator (easel::resnet_box), opaque to torch.compile: its output has
     the grid's shape whatever the box, so a compile of the reusing halves never reasons about a
     box's sides. Traced through, with the sides symbolic, SDXL's reusing encoder took 476 s to
-    compile on an H200 host against 112 s without boxes, past a server's start timeout. With
-    `compiled` the operator's body is compiled on its own (`_compiled_body`): run as written, its
-    unfused element-wise kernels, gathers and layout copies took more of an H200's time (1024 px,
-    2 rows, 20% mask) than the boxes saved of the ResNet blocks' whole work."""
+    compile on an H200 host against 112 s without boxes, past a server's start timeout."""
     t = temb if block.skip_time_act else F.silu(temb)
     shortcut = block.conv_shortcut
     return torch.ops.easel.resnet_box(
@@ -247,23 +242,28 @@ def static_region(block, x: torch.Tensor, temb: torch.Tensor, tokens: torch.Tens
         block.norm2.weight, block.norm2.bias, block.conv2.weight, block.conv2.bias,
         None if shortcut is None else shortcut.weight, None if shortcut is None else shortcut.bias,
         block.norm1.num_groups, block.norm2.num_groups, block.norm1.eps, block.norm2.eps,
-        float(block.output_scale_factor), compiled)
+        float(block.output_scale_factor))
 
 
 @torch.library.custom_op("easel::resnet_box", mutates_args=(), schema=(
     "(Tensor x, Tensor temb_proj, Tensor tokens, Tensor box_h, Tensor box_w, Tensor recorded, Tensor norm2_stats, "
     "Tensor norm2_maps, Tensor? norm1_weight, Tensor? norm1_bias, Tensor conv1_weight, Tensor? conv1_bias, "
     "Tensor? norm2_weight, Tensor? norm2_bias, Tensor conv2_weight, Tensor? conv2_bias, Tensor? shortcut_weight, "
-    "Tensor? shortcut_bias, int groups1, int groups2, float eps1, float eps2, float scale, bool compiled) -> Tensor"))
-def _resnet_box(*args):
-    *args, compiled = args
-    return _body(_resnet_box_body, compiled)(*args)
+    "Tensor? shortcut_bias, int groups1, int groups2, float eps1, float eps2, float scale) -> Tensor"))
+def _resnet_box(x, temb_proj, tokens, box_h, box_w, recorded, norm2_stats, norm2_maps, norm1_weight, norm1_bias,
+                conv1_weight, conv1_bias, norm2_weight, norm2_bias, conv2_weight, conv2_bias, shortcut_weight,
+                shortcut_bias, groups1, groups2, eps1, eps2, scale):
+    return resnet_box_body(x, temb_proj, tokens, box_h, box_w, recorded, norm2_stats, norm2_maps, norm1_weight,
+                           norm1_bias, conv1_weight, conv1_bias, norm2_weight, norm2_bias, conv2_weight, conv2_bias,
+                           shortcut_weight, shortcut_bias, groups1, groups2, eps1, eps2, scale)
 
 
-def _resnet_box_body(x, temb_proj, tokens, box_h, box_w, recorded, norm2_stats, norm2_maps, norm1_weight, norm1_bias,
-                     conv1_weight, conv1_bias, norm2_weight, norm2_bias, conv2_weight, conv2_bias, shortcut_weight,
-                     shortcut_bias, groups1, groups2, eps1, eps2, scale):
-    """static_region's box: a plain ResNet block's tensors and settings, its time embedding projected."""
+def resnet_box_body(x, temb_proj, tokens, box_h, box_w, recorded, norm2_stats, norm2_maps, norm1_weight, norm1_bias,
+                    conv1_weight, conv1_bias, norm2_weight, norm2_bias, conv2_weight, conv2_bias, shortcut_weight,
+                    shortcut_bias, groups1, groups2, eps1, eps2, scale):
+    """static_region's box: a plain ResNet block's tensors and settings, its time embedding projected
+    (easel::resnet_box's body, apart from the operator so that bench/micro/box_kernels.py can
+    compile it alone)."""
     height, width = x.shape[-2:]
     bh, bw = box_h.shape[0], box_w.shape[0]
     own_top, own_bottom, own_left, own_right = _own_box(tokens, height, width)
@@ -279,7 +279,7 @@ def _resnet_box_body(x, temb_proj, tokens, box_h, box_w, recorded, norm2_stats, 
     gr, gc, cr, cc = places(2)
     a1 = _group_normed(_window(x, _at(rows, cr, cc)), _stats(x, groups1), groups1, eps1, norm1_weight, norm1_bias)
     a1 = F.silu(a1) * _on(gr, gc, height, width)[:, None].to(x.dtype)
-    h = _box_conv(a1, conv1_weight, conv1_bias) + temb_proj[:, :, None, None]  # the box widened by 1
+    h = F.conv2d(a1, conv1_weight, conv1_bias) + temb_proj[:, :, None, None]  # the box widened by 1
     # norm2's statistics corrected on the row's own window (its box widened by 1, on the grid)
     gr, gc, cr, cc = places(1)
     window = _on(gr, gc, height, width) & _within(gr, gc, own_top - 1, own_bottom + 1, own_left - 1, own_right + 1)
@@ -288,12 +288,12 @@ def _resnet_box_body(x, temb_proj, tokens, box_h, box_w, recorded, norm2_stats, 
     old = (_window(norm2_maps, _at(rows, cr, cc)) * weight).sum((-1, -2))
     stats = _swapped(norm2_stats, new, old, h.shape[1] // groups2 * height * width)
     a2 = F.silu(_group_normed(h, stats, groups2, eps2, norm2_weight, norm2_bias)) * window[:, None].to(h.dtype)
-    y = _box_conv(a2, conv2_weight, conv2_bias)
+    y = F.conv2d(a2, conv2_weight, conv2_bias)
     gr, gc, _, _ = places(0)  # (on the grid: the box was placed within it)
     at = _at(rows, gr, gc)
     shortcut = _window(x, at)
     if shortcut_weight is not None:
-        shortcut = _box_conv(shortcut, shortcut_weight, shortcut_bias)
+        shortcut = F.conv2d(shortcut, shortcut_weight, shortcut_bias)
     y = (shortcut + y) / scale
     own = _within(gr, gc, own_top, own_bottom, own_left, own_right)
     y = torch.where(own[:, None], y, _window(recorded, at))
@@ -305,63 +305,25 @@ def _(x, temb_proj, tokens, box_h, box_w, recorded, *rest):
     return torch.empty_like(recorded)
 
 
-@torch.library.custom_op("easel::box_conv", mutates_args=())
-def _box_conv(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-    """A box's convolution (no padding: its cut is wide enough), opaque to torch.compile: inductor
-    lowers a convolution with its weight's sizes fixed, so one compile of a box's work would serve
-    only one ResNet block's channels (SDXL's blocks have ten pairs of them)."""
-    return F.conv2d(x, weight, bias)
-
-
-@_box_conv.register_fake
-def _(x, weight, bias):
-    return F.conv2d(x, weight, bias)
-
-
-def _body(fn, compiled: bool):
-    """A box operator's body: as written (eager kernels), or compiled by inductor on its own."""
-    return _compiled_body(fn) if compiled else fn
-
-
-@functools.cache
-def _compiled_body(fn):
-    """`fn` compiled with every size dynamic, one compile for every block, box and row count (the
-    convolutions are opaque: _box_conv). Parameters' sizes would be static to torch.compile: the
-    weights come in as plain tensors."""
-    compiled = torch.compile(fn, dynamic=True)
-
-    def run(*args):
-        return compiled(*(a.detach() if isinstance(a, torch.nn.Parameter) else a for a in args))
-
-    return run
-
-
 def upsample_side(fraction: float, side: int) -> int:
     """The static form's box side at an upsampler's output grid, for a box of `fraction` of its input
     grid's side `side`: the input box doubled and a token either side (the convolution's reach)."""
     return min(2 * side, 2 * box_side(fraction, side) + 2)
 
 
-def static_upsample(block, x: torch.Tensor, tokens: torch.Tensor, spans: tuple, recorded: torch.Tensor,
-                    compiled: bool = False) -> torch.Tensor:
+def static_upsample(block, x: torch.Tensor, tokens: torch.Tensor, spans: tuple, recorded: torch.Tensor) -> torch.Tensor:
     """The upsampler `block` on each row's box of its output grid, the rest `recorded` ([rows, C,
     2H, 2W]): the box is the input grid's widened box (what the ResNet blocks computed, from
     `tokens` as in static_region), doubled and widened by a token, beyond which the input is the
     recording's and so is the output: no deviation beyond the ResNet blocks'. `spans`: as long as
     the box's height and width on the output grid. One operator (easel::upsample_box), as
     static_region's box."""
-    return torch.ops.easel.upsample_box(x, tokens, spans[0], spans[1], recorded, block.conv.weight, block.conv.bias,
-                                        compiled)
+    return torch.ops.easel.upsample_box(x, tokens, spans[0], spans[1], recorded, block.conv.weight, block.conv.bias)
 
 
 @torch.library.custom_op("easel::upsample_box", mutates_args=(), schema=(
-    "(Tensor x, Tensor tokens, Tensor box_h, Tensor box_w, Tensor recorded, Tensor weight, Tensor? bias, "
-    "bool compiled) -> Tensor"))
-def _upsample_box(x, tokens, box_h, box_w, recorded, weight, bias, compiled):
-    return _body(_upsample_box_body, compiled)(x, tokens, box_h, box_w, recorded, weight, bias)
-
-
-def _upsample_box_body(x, tokens, box_h, box_w, recorded, weight, bias):
+    "(Tensor x, Tensor tokens, Tensor box_h, Tensor box_w, Tensor recorded, Tensor weight, Tensor? bias) -> Tensor"))
+def _upsample_box(x, tokens, box_h, box_w, recorded, weight, bias):
     height, width = x.shape[-2:]
     out_h, out_w = 2 * height, 2 * width
     bh, bw = box_h.shape[0], box_w.shape[0]
@@ -375,7 +337,7 @@ def _upsample_box_body(x, tokens, box_h, box_w, recorded, weight, bias):
     rows = _rows(x)
     cut = _window(x, _at(rows, gr.clamp(0, out_h - 1) // 2, gc.clamp(0, out_w - 1) // 2)) \
         * _on(gr, gc, out_h, out_w)[:, None].to(x.dtype)
-    y = _box_conv(cut, weight, bias)
+    y = F.conv2d(cut, weight, bias)
     gr, gc = gr[:, 1:-1], gc[:, 1:-1]
     own, at = _within(gr, gc, top, bottom, left, right), _at(rows, gr, gc)
     y = torch.where(own[:, None], y, _window(recorded, at))
@@ -383,7 +345,7 @@ def _upsample_box_body(x, tokens, box_h, box_w, recorded, weight, bias):
 
 
 @_upsample_box.register_fake
-def _(x, tokens, box_h, box_w, recorded, weight, bias, compiled):
+def _(x, tokens, box_h, box_w, recorded, weight, bias):
     return torch.empty_like(recorded)
 
 

@@ -401,13 +401,11 @@ class StaticSubsets:
     each row's recorded output (`RecordedBuffers`). The buffers are made at the first run (a
     capture's warm-up, eager); then `fill(layout)` copies a step's into them on the stream, and
     the blocks read nothing else. With `box` (conv_subsets.graph_box's fractions) the ResNet
-    blocks run on boxes of those sides (conv_subsets.static_region; their operators compiled with
-    `compiled_boxes`), else whole."""
+    blocks run on boxes of those sides (conv_subsets.static_region), else whole."""
 
     def __init__(self, rows: int, share: float, cached: frozenset[int] | None, context: SubsetContext,
-                 buffers: RecordedBuffers, box: tuple[float, float] | None = None, compiled_boxes: bool = False):
+                 buffers: RecordedBuffers, box: tuple[float, float] | None = None):
         self.rows, self.share, self.cached, self.context, self.buffers = rows, share, cached, context, buffers
-        self.compiled_boxes = compiled_boxes  # the boxes' operators compiled (conv_subsets.static_region)
         # (a flag for the blocks to test: a compile guards on what it reads, and the sides are data)
         self.box, self.boxed = box, box is not None
         self.indices: dict[int, torch.Tensor] = {}  # tokens -> [rows, n]
@@ -463,8 +461,7 @@ class StaticSubsets:
         recorded = self._buffer(out_key, lambda: conv_subsets.zeros_as(x, (rows, block.conv2.out_channels, height, width)))
         stats = self._buffer(stats_key, lambda: torch.zeros((rows, 2, groups), device=x.device))
         maps = self._buffer(maps_key, lambda: torch.zeros((rows, 2, groups, height, width), device=x.device))
-        return conv_subsets.static_region(block, x, temb, self._indices(tokens, x.device), spans, recorded, stats, maps,
-                                          self.compiled_boxes)
+        return conv_subsets.static_region(block, x, temb, self._indices(tokens, x.device), spans, recorded, stats, maps)
 
     def run_upsample(self, block, x: torch.Tensor) -> torch.Tensor:
         """The upsampler `block` on each row's box of its output grid (conv_subsets.static_upsample)."""
@@ -479,8 +476,7 @@ class StaticSubsets:
                 for f, side in zip(self.box, (height, width)))
         recorded = self._buffer(conv_subsets.upsample_key(block._upsample_index), lambda: conv_subsets.zeros_as(
             x, (x.shape[0], block.conv.out_channels, 2 * height, 2 * width)))
-        return conv_subsets.static_upsample(block, x, self._indices(tokens, x.device), spans, recorded,
-                                            self.compiled_boxes)
+        return conv_subsets.static_upsample(block, x, self._indices(tokens, x.device), spans, recorded)
 
     def fill(self, layout: TokenLayout) -> None:
         """The step's indices and recorded outputs into the buffers (rows past the layout's keep

@@ -371,8 +371,7 @@ class FastUNetRuntime:
         warm = self._size(size) in self._warm_edits and (box is not None) == self.boxes
         eager_halves = not (self.caps.compiled and cached is None and (self.config.miss_captures or warm))
         buffers = self._recorded.setdefault((*batch.latent_shape, rows), RecordedBuffers())
-        subsets = StaticSubsets(rows, share, cached, self.eager.subset_context(), buffers, box,
-                                compiled_boxes=self.caps.compiled)
+        subsets = StaticSubsets(rows, share, cached, self.eager.subset_context(), buffers, box)
         key = (*size, share, box, cached)
         bucket = self._capture(batch, rows, key, subsets, eager_halves)
         # The decoder's too, now: its blocks' buffers are made before its capture, and the step's
