@@ -16,7 +16,12 @@ SDXL-base's shapes with random fp16 weights, channels_last, each variant as a CU
 The box is a centered mask's of ratio `--ratio` on the block's grid, widened as the static form
 widens it (the smallest of BOX_SIDES that holds it).
 
+`--count` runs nowhere (the meta device): per block, the operators that move memory in the box's
+body as written and in the block run whole, and the bytes each reads and writes (views aside): a
+device-free check of a change to the body before a GPU times it.
+
     python3 -m bench.micro.box_kernels --work /tmp/bk --out $OUT/box_kernels.json
+    python3 -m bench.micro.box_kernels --work /tmp/bk --out bk.json --count --blocks 320:320:128,960:640:64
     python3 -m bench.micro.box_kernels --work /tmp/bk --out bk.json --blocks 320:320:128,960:640:64 --ratio 0.35
 """
 
@@ -54,6 +59,67 @@ def box_fraction(ratio: float, side: int) -> tuple[float, object]:
     return fraction, computed_tokens(mask, levels)[side * side]
 
 
+# Operators that return a view or an uninitialized tensor (no kernel, no bytes moved)
+_VIEWS = frozenset({"alias", "as_strided", "detach", "empty", "empty_like", "expand", "lift_fresh", "movedim",
+                    "permute", "select", "slice", "split", "squeeze", "t", "transpose", "unbind", "unflatten",
+                    "unsqueeze", "view", "_unsafe_view"})
+
+
+def traffic(c_in: int, c_out: int, side: int, ratio: float, rows: int) -> dict:
+    """On the meta device: the box body's and the whole block's operators that move memory, and the
+    bytes they read and write (each operator's tensors in and out: an upper bound where it reads a
+    part of an input)."""
+    import torch
+    import torch.nn.functional as F
+    from diffusers.models.resnet import ResnetBlock2D
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from backends.core.runtime import conv_subsets
+
+    class Count(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops, self.bytes = 0, 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if func.overloadpacket.__name__ not in _VIEWS:
+                tensors = [t for t in torch.utils._pytree.tree_leaves((args, kwargs, out))
+                           if isinstance(t, torch.Tensor)]
+                self.ops += 1
+                self.bytes += sum(t.numel() * t.element_size() for t in tensors)
+            return out
+
+    fraction, tokens = box_fraction(ratio, side)
+    bside = conv_subsets.box_side(fraction, side)
+    cl = torch.channels_last
+    with torch.device("meta"), torch.inference_mode():
+        block = ResnetBlock2D(in_channels=c_in, out_channels=c_out, temb_channels=TEMB, groups=32, eps=1e-5)
+        block = block.half().to(memory_format=cl)
+        x = torch.empty(rows, c_in, side, side, dtype=torch.float16).contiguous(memory_format=cl)
+        temb = torch.empty(rows, TEMB, dtype=torch.float16)
+        recorded = torch.empty(rows, c_out, side, side, dtype=torch.float16).contiguous(memory_format=cl)
+        stats, maps = torch.empty(rows, 2, 32), torch.empty(rows, 2, 32, side, side)
+        token_rows = torch.zeros(rows, tokens.numel(), dtype=torch.long)
+        temb_proj = block.time_emb_proj(F.silu(temb))
+        shortcut = block.conv_shortcut
+        counts = {}
+        geometry = conv_subsets.resnet_geometry(token_rows, side, side, bside, bside)  # (once a step and grid)
+        for name, run in (("box_eager", lambda: conv_subsets.resnet_box_body(
+                x, temb_proj, geometry, recorded, stats, maps,
+                block.norm1.weight, block.norm1.bias, block.conv1.weight, block.conv1.bias, block.norm2.weight,
+                block.norm2.bias, block.conv2.weight, block.conv2.bias, None if shortcut is None else shortcut.weight,
+                None if shortcut is None else shortcut.bias, 32, 32, 1e-5, 1e-5, float(block.output_scale_factor))),
+                ("whole_eager", lambda: block(x, temb))):
+            with Count() as count:
+                run()
+            counts[name] = {"ops": count.ops, "bytes": count.bytes}
+            log.info("%d->%d @%d^2, box %d^2: %s %d operators, %.1f MB", c_in, c_out, side, bside, name, count.ops,
+                     count.bytes / 1e6)
+    return {"in_channels": c_in, "out_channels": c_out, "grid": side, "box_fraction": fraction, "box_side": bside,
+            "counts": counts}
+
+
 def measure(c_in: int, c_out: int, side: int, ratio: float, rows: int, iters: int) -> dict:
     import torch
     import torch.nn.functional as F
@@ -74,13 +140,13 @@ def measure(c_in: int, c_out: int, side: int, ratio: float, rows: int, iters: in
         x = torch.randn(rows, c_in, side, side, device=device, dtype=torch.float16).contiguous(memory_format=cl)
         temb = torch.randn(rows, TEMB, device=device, dtype=torch.float16)
         recorded, stats, maps = conv_subsets.whole(block, x + 0.1 * torch.randn_like(x), temb, stats=True)
-        spans = (torch.empty(bside, device=device), torch.empty(bside, device=device))
         token_rows = tokens.to(device)[None].expand(rows, -1).contiguous()
+        geometry = conv_subsets.resnet_geometry(token_rows, side, side, bside, bside)  # (once a step and grid)
         temb_proj = block.time_emb_proj(F.silu(temb))
         shortcut = block.conv_shortcut
 
         def args(x):
-            return (x, temb_proj, token_rows, spans[0], spans[1], recorded, stats, maps, block.norm1.weight,
+            return (x, temb_proj, geometry, recorded, stats, maps, block.norm1.weight,
                     block.norm1.bias, block.conv1.weight, block.conv1.bias, block.norm2.weight, block.norm2.bias,
                     block.conv2.weight, block.conv2.bias, None if shortcut is None else shortcut.weight,
                     None if shortcut is None else shortcut.bias, 32, 32, 1e-5, 1e-5,
@@ -119,15 +185,20 @@ def main(argv=None) -> int:
     p.add_argument("--ratio", type=float, default=0.2, help="the centered mask's share of the latent")
     p.add_argument("--rows", type=int, default=2)
     p.add_argument("--iters", type=int, default=40)
+    p.add_argument("--count", action="store_true", help="count operators and bytes on the meta device instead")
     args = p.parse_args(argv)
     start_logging()
     import torch
 
+    blocks = [tuple(int(v) for v in spec.split(":")) for spec in args.blocks.split(",")]
+    if args.count:
+        write_json(args.out, {"ratio": args.ratio, "rows": args.rows,
+                              "blocks": [traffic(*b, args.ratio, args.rows) for b in blocks]})
+        return 0
     if not torch.cuda.is_available():
         raise SystemExit("bench.micro.box_kernels: the blocks run on a CUDA device")
     if args.size != 1024:
         raise SystemExit("bench.micro.box_kernels: --size: the blocks' grids are SDXL's at 1024 px only")
-    blocks = [tuple(int(v) for v in spec.split(":")) for spec in args.blocks.split(",")]
     report = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "ratio": args.ratio,
               "rows": args.rows, "blocks": [measure(*b, args.ratio, args.rows, args.iters) for b in blocks]}
     write_json(args.out, report)

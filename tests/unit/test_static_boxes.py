@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from backends.core.runtime.conv_subsets import (BOX_SIDES, box_side, graph_box, keys, masked_boxes, static_upsample,
-                                                upsample_side, whole)
+                                                upsample_geometry, upsample_side, whole)
 from backends.core.runtime.token_subsets import (REUSE, RecordedBuffers, StaticSubsets, TemplateActivations,
                                                  TokenLayout, TokenRow, computed_tokens, graph_share, install)
 
@@ -94,6 +94,22 @@ def test_the_static_boxes_give_the_eager_forms_outputs(block, channels_last, buc
     assert torch.equal(got[0][:, outside], recorded[:, outside])  # the recording outside its box
     assert context.conv_computed - before[0] == 3 * box_side(box[0], HEIGHT) * box_side(box[1], WIDTH)
     assert context.conv_all - before[1] == 3 * HEIGHT * WIDTH
+    # Other rows in the same bucket (other masks, the box's sides alike): the boxes' places are made
+    # again at the fill, and each row gets what it gets alone again
+    moved = layout_of(template, (slice(5, 8), slice(0, 3)), (slice(0, 2), slice(4, 7)), (slice(7, 10), slice(8, 11)))
+    assert graph_box(moved, HEIGHT, WIDTH) == box
+    with torch.inference_mode():
+        context.layout = moved
+        want = block(x[:3], temb[:3])
+        context.layout = static
+        static.fill(moved)
+        got = block(x, temb)
+        static.fill(moved)  # (the same rows again: their places kept)
+        again = block(x, temb)
+        context.layout = None
+    for k in range(3):
+        assert (got[k] - want[k]).abs().max() <= 1e-5 * want[k].abs().max(), k
+    assert torch.equal(again, got)
 
 
 @pytest.mark.parametrize("channels_last", [False, True], ids=["nchw", "channels-last"])
@@ -120,11 +136,12 @@ def test_an_upsampler_on_its_box_gives_its_whole_output(channels_last):
     tokens = torch.stack([torch.cat([r.computed[HEIGHT * WIDTH], r.computed[HEIGHT * WIDTH][-1:].expand(
         40 - r.computed[HEIGHT * WIDTH].numel())]) for r in layout.rows])  # (padded by repeating)
     box = graph_box(layout, HEIGHT, WIDTH, recorded=())
-    spans = tuple(torch.empty(upsample_side(f, side)) for f, side in zip(box, (HEIGHT, WIDTH)))
-    assert spans[0].numel() < 2 * HEIGHT and spans[1].numel() < 2 * WIDTH
+    sides = tuple(upsample_side(f, side) for f, side in zip(box, (HEIGHT, WIDTH)))
+    assert sides[0] < 2 * HEIGHT and sides[1] < 2 * WIDTH
     with torch.inference_mode():
         want = Upsample2D.forward(block, x)
-        got = static_upsample(block, x, tokens, spans, Upsample2D.forward(block, template))
+        got = static_upsample(block, x, upsample_geometry(tokens, HEIGHT, WIDTH, *sides),
+                              Upsample2D.forward(block, template))
     assert got.is_contiguous(memory_format=fmt)
     torch.testing.assert_close(got, want, rtol=0, atol=1e-5)
 
@@ -173,8 +190,9 @@ class ResnetThenUpsampler(torch.nn.Module):
 
 
 def test_one_compile_serves_every_box_size_token_share_and_row_count():
-    """Under `compiled` the reusing halves are compiled once per latent size: the boxes' spans,
-    like the rows and token counts, are dynamic, so a new box size is a new graph, not a compile.
+    """Under `compiled` the reusing halves are compiled once per latent size: the boxes' sides (the
+    sizes of their places' buffers), like the rows and token counts, are dynamic, so a new box size
+    is a new graph, not a compile.
     The box's work is one opaque operator in the compiled graph (a compile that traced it, with the
     sides symbolic, took minutes at SDXL size)."""
     from torch._dynamo import maybe_mark_dynamic, reset
@@ -278,8 +296,8 @@ def test_a_whole_unets_static_step_gives_the_eager_steps_outputs(tiny_model):
     step(static, args)  # the buffers (a capture's warm-up)
     got = step(static, args, fill=layout)[:3]
     # the upsamplers' boxes: part of their output grids (the eager form runs them whole)
-    assert any(s[0].numel() < 2 * (side >> level) for level in (1, 2) if (t := (side >> level) ** 2)
-               in static.upsample_spans for s in [static.upsample_spans[t]])
+    upsampled = [args for (kind, _), (_, args, _) in static.geometry.items() if kind == "upsample"]
+    assert upsampled and any(box_h < 2 * height for height, _, box_h, _ in upsampled)
     print("whole UNet, static boxes against eager:", float((got - want).abs().max() / want.abs().max()))
     assert (got - want).abs().max() <= 1e-4 * want.abs().max()
     unboxed = StaticSubsets(4, graph_share(layout), None, runtime.subsets, RecordedBuffers())

@@ -28,7 +28,10 @@ cannot cut a box at host offsets: each row's box is a fixed-size window (`box_si
 the grid's side from `BOX_SIDES`, one per height and width, part of the graph's key) placed on the
 device from the row's own computed-token indices, which the static form already holds. Positions
 of the window outside the row's own box keep the recording, so a row gets what the eager form
-gives it alone.
+gives it alone. Where each row's window lies (`resnet_geometry`, `upsample_geometry`: gather
+indices and masks) is the same for every block at a grid: it is made once per step, before the
+graphs run, and the blocks' operators only read it. Made in each operator, its ~100 small kernels
+a block were most of a reusing step's launches (4186 at SDXL size).
 
 The upsamplers (SDXL's two: 3.6% of a row's FLOPs, 11% of a reusing step's at a 20% mask with the
 ResNet boxes) take the same way in the static form (`static_upsample`), on their input's widened
@@ -223,12 +226,11 @@ def graph_box(layout, height: int, width: int, recorded: tuple[int, ...] = (KEY_
     return need[0], need[1]
 
 
-def static_region(block, x: torch.Tensor, temb: torch.Tensor, tokens: torch.Tensor, spans: tuple,
-                  recorded: torch.Tensor, norm2_stats: torch.Tensor, norm2_maps: torch.Tensor) -> torch.Tensor:
+def static_region(block, x: torch.Tensor, temb: torch.Tensor, geometry: list[torch.Tensor], recorded: torch.Tensor,
+                  norm2_stats: torch.Tensor, norm2_maps: torch.Tensor) -> torch.Tensor:
     """region() in the static form: what each row gets alone, from fixed-size tensors and no host
-    value. `tokens` ([rows, n]: each row's computed tokens at this grid, padded by repeating) gives
-    each row's own box; `spans` (tensors as long as the box's height and width: only their lengths
-    are read) the box's size, which is placed within the grid over that box.
+    value. `geometry` (resnet_geometry's, for this grid and the bucket's box size) places each row's
+    box on the grid.
 
     The box's work is one operator (easel::resnet_box), opaque to torch.compile: its output has
     the grid's shape whatever the box, so a compile of the reusing halves never reasons about a
@@ -237,7 +239,7 @@ def static_region(block, x: torch.Tensor, temb: torch.Tensor, tokens: torch.Tens
     t = temb if block.skip_time_act else F.silu(temb)
     shortcut = block.conv_shortcut
     return torch.ops.easel.resnet_box(
-        x, block.time_emb_proj(t), tokens, spans[0], spans[1], recorded, norm2_stats, norm2_maps,
+        x, block.time_emb_proj(t), geometry, recorded, norm2_stats, norm2_maps,
         block.norm1.weight, block.norm1.bias, block.conv1.weight, block.conv1.bias,
         block.norm2.weight, block.norm2.bias, block.conv2.weight, block.conv2.bias,
         None if shortcut is None else shortcut.weight, None if shortcut is None else shortcut.bias,
@@ -245,63 +247,76 @@ def static_region(block, x: torch.Tensor, temb: torch.Tensor, tokens: torch.Tens
         float(block.output_scale_factor))
 
 
+def resnet_geometry(tokens: torch.Tensor, height: int, width: int, box_h: int, box_w: int) -> list[torch.Tensor]:
+    """Where each row's box of `box_h` x `box_w` lies on a `height` x `width` grid, placed within the
+    grid over the row's own box (its computed `tokens`, [rows, n], widened by MARGIN): the box
+    widened by 2, clamped onto the grid (gather indices [rows, box_h + 4] and [rows, box_w + 4]) and
+    which of it lies on the grid ([rows, box_h + 4, box_w + 4]); widened by 1, clamped, and which of
+    it lies on the grid within the row's own box widened by 1; the box itself (on the grid) and which
+    of it lies in the row's own box. The same for every ResNet block at a grid in a step: made once
+    per step (StaticSubsets.fill), not in every block's operator."""
+    own_top, own_bottom, own_left, own_right = _own_box(tokens, height, width)
+    top, left = own_top.clamp_max(height - box_h), own_left.clamp_max(width - box_w)
+
+    def places(pad: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return top[:, None] + _reach(box_h, pad, tokens.device), left[:, None] + _reach(box_w, pad, tokens.device)
+
+    gr, gc = places(2)
+    out = [gr.clamp(0, height - 1), gc.clamp(0, width - 1), _on(gr, gc, height, width)]
+    gr, gc = places(1)
+    out += [gr.clamp(0, height - 1), gc.clamp(0, width - 1), _on(gr, gc, height, width)
+            & _within(gr, gc, own_top - 1, own_bottom + 1, own_left - 1, own_right + 1)]
+    gr, gc = places(0)
+    return out + [gr, gc, _within(gr, gc, own_top, own_bottom, own_left, own_right)]
+
+
 @torch.library.custom_op("easel::resnet_box", mutates_args=(), schema=(
-    "(Tensor x, Tensor temb_proj, Tensor tokens, Tensor box_h, Tensor box_w, Tensor recorded, Tensor norm2_stats, "
-    "Tensor norm2_maps, Tensor? norm1_weight, Tensor? norm1_bias, Tensor conv1_weight, Tensor? conv1_bias, "
-    "Tensor? norm2_weight, Tensor? norm2_bias, Tensor conv2_weight, Tensor? conv2_bias, Tensor? shortcut_weight, "
-    "Tensor? shortcut_bias, int groups1, int groups2, float eps1, float eps2, float scale) -> Tensor"))
-def _resnet_box(x, temb_proj, tokens, box_h, box_w, recorded, norm2_stats, norm2_maps, norm1_weight, norm1_bias,
-                conv1_weight, conv1_bias, norm2_weight, norm2_bias, conv2_weight, conv2_bias, shortcut_weight,
-                shortcut_bias, groups1, groups2, eps1, eps2, scale):
-    return resnet_box_body(x, temb_proj, tokens, box_h, box_w, recorded, norm2_stats, norm2_maps, norm1_weight,
-                           norm1_bias, conv1_weight, conv1_bias, norm2_weight, norm2_bias, conv2_weight, conv2_bias,
+    "(Tensor x, Tensor temb_proj, Tensor[] geometry, Tensor recorded, Tensor norm2_stats, Tensor norm2_maps, "
+    "Tensor? norm1_weight, Tensor? norm1_bias, Tensor conv1_weight, Tensor? conv1_bias, Tensor? norm2_weight, "
+    "Tensor? norm2_bias, Tensor conv2_weight, Tensor? conv2_bias, Tensor? shortcut_weight, Tensor? shortcut_bias, "
+    "int groups1, int groups2, float eps1, float eps2, float scale) -> Tensor"))
+def _resnet_box(x, temb_proj, geometry, recorded, norm2_stats, norm2_maps, norm1_weight, norm1_bias, conv1_weight,
+                conv1_bias, norm2_weight, norm2_bias, conv2_weight, conv2_bias, shortcut_weight, shortcut_bias,
+                groups1, groups2, eps1, eps2, scale):
+    return resnet_box_body(x, temb_proj, geometry, recorded, norm2_stats, norm2_maps, norm1_weight, norm1_bias,
+                           conv1_weight, conv1_bias, norm2_weight, norm2_bias, conv2_weight, conv2_bias,
                            shortcut_weight, shortcut_bias, groups1, groups2, eps1, eps2, scale)
 
 
-def resnet_box_body(x, temb_proj, tokens, box_h, box_w, recorded, norm2_stats, norm2_maps, norm1_weight, norm1_bias,
-                    conv1_weight, conv1_bias, norm2_weight, norm2_bias, conv2_weight, conv2_bias, shortcut_weight,
-                    shortcut_bias, groups1, groups2, eps1, eps2, scale):
+def resnet_box_body(x, temb_proj, geometry, recorded, norm2_stats, norm2_maps, norm1_weight, norm1_bias, conv1_weight,
+                    conv1_bias, norm2_weight, norm2_bias, conv2_weight, conv2_bias, shortcut_weight, shortcut_bias,
+                    groups1, groups2, eps1, eps2, scale):
     """static_region's box: a plain ResNet block's tensors and settings, its time embedding projected
     (easel::resnet_box's body, apart from the operator so that bench/micro/box_kernels.py can
-    compile it alone)."""
+    compile it alone). In place where a tensor is the body's own: each pass over a window is a
+    kernel, and at SDXL's sizes on an H200 the passes, not the convolutions, were most of a box's
+    time."""
+    rows2, cols2, on2, rows1, cols1, window1, rows0, cols0, own0 = geometry
     height, width = x.shape[-2:]
-    bh, bw = box_h.shape[0], box_w.shape[0]
-    own_top, own_bottom, own_left, own_right = _own_box(tokens, height, width)
-    top, left = own_top.clamp_max(height - bh), own_left.clamp_max(width - bw)
     rows = _rows(x)
-
-    def places(pad: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The box widened by `pad`: its grid rows [rows, bh'] and columns [rows, bw'], as they are
-        and clamped to the grid."""
-        gr, gc = top[:, None] + _reach(bh, pad, x.device), left[:, None] + _reach(bw, pad, x.device)
-        return gr, gc, gr.clamp(0, height - 1), gc.clamp(0, width - 1)
-
-    gr, gc, cr, cc = places(2)
-    a1 = _group_normed(_window(x, _at(rows, cr, cc)), _stats(x, groups1), groups1, eps1, norm1_weight, norm1_bias)
-    a1 = F.silu(a1) * _on(gr, gc, height, width)[:, None].to(x.dtype)
-    h = F.conv2d(a1, conv1_weight, conv1_bias) + temb_proj[:, :, None, None]  # the box widened by 1
+    a1 = _group_normed(_window(x, _at(rows, rows2, cols2)), _stats(x, groups1), groups1, eps1, norm1_weight,
+                       norm1_bias)
+    F.silu(a1, inplace=True).mul_(on2[:, None])
+    h = F.conv2d(a1, conv1_weight, conv1_bias).add_(temb_proj[:, :, None, None])  # the box widened by 1
     # norm2's statistics corrected on the row's own window (its box widened by 1, on the grid)
-    gr, gc, cr, cc = places(1)
-    window = _on(gr, gc, height, width) & _within(gr, gc, own_top - 1, own_bottom + 1, own_left - 1, own_right + 1)
-    weight = window[:, None, None].float()
-    new = (_deviation_sums(h, norm2_stats[:, 0], groups2) * weight).sum((-1, -2))
-    old = (_window(norm2_maps, _at(rows, cr, cc)) * weight).sum((-1, -2))
+    new = _window_sums(h, norm2_stats[:, 0], groups2, window1)
+    old = (_window(norm2_maps, _at(rows, rows1, cols1), layout=False) * window1[:, None, None]).sum((-1, -2))
     stats = _swapped(norm2_stats, new, old, h.shape[1] // groups2 * height * width)
-    a2 = F.silu(_group_normed(h, stats, groups2, eps2, norm2_weight, norm2_bias)) * window[:, None].to(h.dtype)
+    a2 = _group_normed(h, stats, groups2, eps2, norm2_weight, norm2_bias)
+    F.silu(a2, inplace=True).mul_(window1[:, None])
     y = F.conv2d(a2, conv2_weight, conv2_bias)
-    gr, gc, _, _ = places(0)  # (on the grid: the box was placed within it)
-    at = _at(rows, gr, gc)
+    at = _at(rows, rows0, cols0)
     shortcut = _window(x, at)
     if shortcut_weight is not None:
         shortcut = F.conv2d(shortcut, shortcut_weight, shortcut_bias)
-    y = (shortcut + y) / scale
-    own = _within(gr, gc, own_top, own_bottom, own_left, own_right)
-    y = torch.where(own[:, None], y, _window(recorded, at))
-    return _put_window(recorded, at, y)
+    y.add_(shortcut)
+    if scale != 1.0:
+        y.div_(scale)
+    return _put_window(recorded, at, torch.where(own0[:, None], y, _window(recorded, at)))
 
 
 @_resnet_box.register_fake
-def _(x, temb_proj, tokens, box_h, box_w, recorded, *rest):
+def _(x, temb_proj, geometry, recorded, *rest):
     return torch.empty_like(recorded)
 
 
@@ -311,41 +326,45 @@ def upsample_side(fraction: float, side: int) -> int:
     return min(2 * side, 2 * box_side(fraction, side) + 2)
 
 
-def static_upsample(block, x: torch.Tensor, tokens: torch.Tensor, spans: tuple, recorded: torch.Tensor) -> torch.Tensor:
-    """The upsampler `block` on each row's box of its output grid, the rest `recorded` ([rows, C,
-    2H, 2W]): the box is the input grid's widened box (what the ResNet blocks computed, from
-    `tokens` as in static_region), doubled and widened by a token, beyond which the input is the
-    recording's and so is the output: no deviation beyond the ResNet blocks'. `spans`: as long as
-    the box's height and width on the output grid. One operator (easel::upsample_box), as
-    static_region's box."""
-    return torch.ops.easel.upsample_box(x, tokens, spans[0], spans[1], recorded, block.conv.weight, block.conv.bias)
+def static_upsample(block, x: torch.Tensor, geometry: list[torch.Tensor], recorded: torch.Tensor) -> torch.Tensor:
+    """The upsampler `block` on each row's box of its output grid (`geometry`: upsample_geometry's),
+    the rest `recorded` ([rows, C, 2H, 2W]): the box is the input grid's widened box (what the
+    ResNet blocks computed), doubled and widened by a token, beyond which the input is the
+    recording's and so is the output: no deviation beyond the ResNet blocks'. One operator
+    (easel::upsample_box), as static_region's box."""
+    return torch.ops.easel.upsample_box(x, geometry, recorded, block.conv.weight, block.conv.bias)
 
 
-@torch.library.custom_op("easel::upsample_box", mutates_args=(), schema=(
-    "(Tensor x, Tensor tokens, Tensor box_h, Tensor box_w, Tensor recorded, Tensor weight, Tensor? bias) -> Tensor"))
-def _upsample_box(x, tokens, box_h, box_w, recorded, weight, bias):
-    height, width = x.shape[-2:]
+def upsample_geometry(tokens: torch.Tensor, height: int, width: int, box_h: int, box_w: int) -> list[torch.Tensor]:
+    """Where each row's box of `box_h` x `box_w` lies on an upsampler's output grid (2 x `height` by
+    2 x `width`), over the row's own box (its `tokens` on the input grid, widened by MARGIN, doubled
+    and widened by 1 either side): the input positions the box widened by 1 reads ([rows, box_h +
+    2], [rows, box_w + 2]: nearest-neighbour doubling, output p reads input p // 2) and which of it
+    lies on the output grid; the box itself and which of it lies in the row's own box."""
     out_h, out_w = 2 * height, 2 * width
-    bh, bw = box_h.shape[0], box_w.shape[0]
     top, bottom, left, right = _own_box(tokens, height, width)
     top, bottom = (2 * top - 1).clamp_min(0), (2 * bottom + 1).clamp_max(out_h)
     left, right = (2 * left - 1).clamp_min(0), (2 * right + 1).clamp_max(out_w)
-    # [rows, bh + 2]: the box widened by 1, output rows
-    gr = top.clamp_max(out_h - bh)[:, None] + _reach(bh, 1, x.device)
-    gc = left.clamp_max(out_w - bw)[:, None] + _reach(bw, 1, x.device)
-    # nearest-neighbour doubling: output position p reads input p // 2
+    gr = top.clamp_max(out_h - box_h)[:, None] + _reach(box_h, 1, tokens.device)
+    gc = left.clamp_max(out_w - box_w)[:, None] + _reach(box_w, 1, tokens.device)
+    inner_r, inner_c = gr[:, 1:-1], gc[:, 1:-1]
+    return [gr.clamp(0, out_h - 1) // 2, gc.clamp(0, out_w - 1) // 2, _on(gr, gc, out_h, out_w), inner_r, inner_c,
+            _within(inner_r, inner_c, top, bottom, left, right)]
+
+
+@torch.library.custom_op("easel::upsample_box", mutates_args=(), schema=(
+    "(Tensor x, Tensor[] geometry, Tensor recorded, Tensor weight, Tensor? bias) -> Tensor"))
+def _upsample_box(x, geometry, recorded, weight, bias):
+    source_rows, source_cols, on, box_rows, box_cols, own = geometry
     rows = _rows(x)
-    cut = _window(x, _at(rows, gr.clamp(0, out_h - 1) // 2, gc.clamp(0, out_w - 1) // 2)) \
-        * _on(gr, gc, out_h, out_w)[:, None].to(x.dtype)
+    cut = _window(x, _at(rows, source_rows, source_cols)).mul_(on[:, None])
     y = F.conv2d(cut, weight, bias)
-    gr, gc = gr[:, 1:-1], gc[:, 1:-1]
-    own, at = _within(gr, gc, top, bottom, left, right), _at(rows, gr, gc)
-    y = torch.where(own[:, None], y, _window(recorded, at))
-    return _put_window(recorded, at, y)
+    at = _at(rows, box_rows, box_cols)
+    return _put_window(recorded, at, torch.where(own[:, None], y, _window(recorded, at)))
 
 
 @_upsample_box.register_fake
-def _(x, tokens, box_h, box_w, recorded, weight, bias):
+def _(x, geometry, recorded, weight, bias):
     return torch.empty_like(recorded)
 
 
@@ -396,12 +415,13 @@ def _at(rows: torch.Tensor, gr: torch.Tensor, gc: torch.Tensor) -> tuple[torch.T
     return rows, gr[:, :, None], gc[:, None, :]
 
 
-def _window(x: torch.Tensor, at: tuple[torch.Tensor, ...]) -> torch.Tensor:
-    """x [rows, ..., H, W] on each row's window `at`: [rows, ..., h, w], in x's layout."""
+def _window(x: torch.Tensor, at: tuple[torch.Tensor, ...], layout: bool = True) -> torch.Tensor:
+    """x [rows, ..., H, W] on each row's window `at`: [rows, ..., h, w], in x's layout (`layout`:
+    else in whichever the gather gives, for a window only summed)."""
     rows, gr, gc = at
     # advanced indices around the middle dimensions: [rows, h, w, ...], then the grid moved back
     y = x[rows, ..., gr, gc].movedim((1, 2), (-2, -1))
-    return y if _channels_last(x) else y.contiguous()
+    return y if not layout or _channels_last(x) else y.contiguous()
 
 
 def _put_window(x: torch.Tensor, at: tuple[torch.Tensor, ...], y: torch.Tensor) -> torch.Tensor:
@@ -422,14 +442,31 @@ def _cut(x: torch.Tensor, window: Box, fn) -> torch.Tensor:
 def _deviation_sums(h: torch.Tensor, mean: torch.Tensor, groups: int) -> torch.Tensor:
     """Per position, each group's sum of h's deviations from `mean` ([rows, groups]) and of their
     squares: [rows, 2, groups, H, W], fp32."""
-    rows, channels = h.shape[:2]
-    d = h.float().reshape(rows, groups, channels // groups, *h.shape[2:]) - mean.reshape(rows, groups, 1, 1, 1)
+    d = h.float().unflatten(1, (groups, h.shape[1] // groups)) - mean.reshape(*mean.shape, 1, 1, 1)
     return torch.stack([d.sum(2), (d * d).sum(2)], dim=1)
 
 
+def _window_sums(h: torch.Tensor, mean: torch.Tensor, groups: int, window: torch.Tensor) -> torch.Tensor:
+    """Each group's sums of h's deviations from `mean` ([rows, groups]) and of their squares over the
+    positions `window` ([rows, H, W], bool) holds: [rows, 2, groups], fp32 (the window's part of
+    _deviation_sums' maps, without making them)."""
+    rows, channels = h.shape[:2]
+    d = (h - _per_channel(mean, channels)).mul_(window[:, None])  # fp32: the mean's dtype
+    d = d.unflatten(1, (groups, channels // groups))
+    dims = tuple(range(2, d.dim()))
+    return torch.stack([d.sum(dims), torch.linalg.vector_norm(d, 2, dims).square()], dim=1)
+
+
+def _per_channel(values: torch.Tensor, channels: int) -> torch.Tensor:
+    """[rows, groups] -> [rows, channels, 1, 1]: each channel its group's value."""
+    return values.repeat_interleave(channels // values.shape[1], dim=1)[:, :, None, None]
+
+
 def _stats(h: torch.Tensor, groups: int) -> torch.Tensor:
-    """GroupNorm's statistics per row: [rows, 2, groups] (mean, biased variance), in fp32."""
-    var, mean = torch.var_mean(h.float().reshape(h.shape[0], groups, -1), dim=-1, unbiased=False)
+    """GroupNorm's statistics per row: [rows, 2, groups] (mean, biased variance), in fp32 (over a
+    view of the groups: in channels_last, a reshape to [rows, groups, -1] would copy)."""
+    g = h.float().unflatten(1, (groups, h.shape[1] // groups))
+    var, mean = torch.var_mean(g, dim=tuple(range(2, g.dim())), correction=0)
     return torch.stack([mean, var], dim=1)
 
 
@@ -441,14 +478,15 @@ def _normed(t: torch.Tensor, norm: torch.nn.GroupNorm, stats: torch.Tensor) -> t
 def _group_normed(t: torch.Tensor, stats: torch.Tensor, groups: int, eps: float, weight: torch.Tensor | None,
                   bias: torch.Tensor | None) -> torch.Tensor:
     """GroupNorm of `t` with the statistics `stats` ([rows, 2, groups]) and the affine `weight`
-    and `bias` (None: none)."""
-    rows, channels = t.shape[:2]
-    mean, var = stats[:, 0].reshape(rows, groups, 1, 1, 1), stats[:, 1].reshape(rows, groups, 1, 1, 1)
-    g = ((t.float().reshape(rows, groups, channels // groups, *t.shape[2:]) - mean)
-         * torch.rsqrt(var + eps)).reshape(t.shape).to(t.dtype)
+    and `bias` (None: none): one scale and shift per row and channel (fp32), applied in one pass
+    that writes t's dtype and layout."""
+    channels = t.shape[1]
+    scale = _per_channel(torch.rsqrt(stats[:, 1] + eps), channels)
+    shift = -_per_channel(stats[:, 0], channels) * scale
     if weight is not None:
-        g = g * weight.reshape(1, channels, 1, 1) + bias.reshape(1, channels, 1, 1)
-    return g
+        w = weight.reshape(1, channels, 1, 1)
+        scale, shift = scale * w, shift * w + bias.reshape(1, channels, 1, 1)
+    return torch.addcmul(shift, t, scale, out=torch.empty_like(t))
 
 
 def run_rows(block, layout, x: torch.Tensor, temb: torch.Tensor) -> torch.Tensor:

@@ -401,7 +401,8 @@ class StaticSubsets:
     each row's recorded output (`RecordedBuffers`). The buffers are made at the first run (a
     capture's warm-up, eager); then `fill(layout)` copies a step's into them on the stream, and
     the blocks read nothing else. With `box` (conv_subsets.graph_box's fractions) the ResNet
-    blocks run on boxes of those sides (conv_subsets.static_region), else whole."""
+    blocks run on boxes of those sides (conv_subsets.static_region), else whole; where each row's
+    box lies at each grid is among the buffers, made again by `fill` when the rows change."""
 
     def __init__(self, rows: int, share: float, cached: frozenset[int] | None, context: SubsetContext,
                  buffers: RecordedBuffers, box: tuple[float, float] | None = None):
@@ -409,9 +410,11 @@ class StaticSubsets:
         # (a flag for the blocks to test: a compile guards on what it reads, and the sides are data)
         self.box, self.boxed = box, box is not None
         self.indices: dict[int, torch.Tensor] = {}  # tokens -> [rows, n]
-        # tokens -> tensors as long as the box's height and width (their lengths, dynamic in a compile)
-        self.spans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
-        self.upsample_spans: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the same on upsamplers' output grids
+        # (kind, tokens) -> the boxes' places at that grid (conv_subsets.resnet_geometry's or
+        # upsample_geometry's), the maker's arguments beside the indices, and its buffers: made again
+        # by `fill` once per step for every block at the grid (its sizes dynamic in a compile)
+        self.geometry: dict[tuple[str, int], tuple[object, tuple, list[torch.Tensor]]] = {}
+        self._placed: tuple = ()  # the rows' computed tokens the geometry was last made for
 
     def takes(self, block: int) -> bool:
         """Whether the recording of `block` (an install index, or a ResNet block's key) is read."""
@@ -449,34 +452,38 @@ class StaticSubsets:
         from backends.core.runtime import conv_subsets
 
         height, width = x.shape[-2:]
-        tokens = height * width
         self.buffers.grids[block._resnet_index] = (height, width)
-        spans = self.spans.get(tokens)
-        if spans is None:
-            spans = self.spans[tokens] = tuple(
-                _dynamic(torch.empty(conv_subsets.box_side(f, side), device=x.device), 0)
-                for f, side in zip(self.box, (height, width)))
+        geometry = self._geometry("resnet", conv_subsets.resnet_geometry, conv_subsets.box_side, height, width,
+                                  x.device)
         out_key, stats_key, maps_key = conv_subsets.keys(block._resnet_index)
         rows, groups = x.shape[0], block.norm2.num_groups
         recorded = self._buffer(out_key, lambda: conv_subsets.zeros_as(x, (rows, block.conv2.out_channels, height, width)))
         stats = self._buffer(stats_key, lambda: torch.zeros((rows, 2, groups), device=x.device))
         maps = self._buffer(maps_key, lambda: torch.zeros((rows, 2, groups, height, width), device=x.device))
-        return conv_subsets.static_region(block, x, temb, self._indices(tokens, x.device), spans, recorded, stats, maps)
+        return conv_subsets.static_region(block, x, temb, geometry, recorded, stats, maps)
 
     def run_upsample(self, block, x: torch.Tensor) -> torch.Tensor:
         """The upsampler `block` on each row's box of its output grid (conv_subsets.static_upsample)."""
         from backends.core.runtime import conv_subsets
 
         height, width = x.shape[-2:]
-        tokens = height * width
-        spans = self.upsample_spans.get(tokens)
-        if spans is None:
-            spans = self.upsample_spans[tokens] = tuple(
-                _dynamic(torch.empty(conv_subsets.upsample_side(f, side), device=x.device), 0)
-                for f, side in zip(self.box, (height, width)))
+        geometry = self._geometry("upsample", conv_subsets.upsample_geometry, conv_subsets.upsample_side, height, width,
+                                  x.device)
         recorded = self._buffer(conv_subsets.upsample_key(block._upsample_index), lambda: conv_subsets.zeros_as(
             x, (x.shape[0], block.conv.out_channels, 2 * height, 2 * width)))
-        return conv_subsets.static_upsample(block, x, self._indices(tokens, x.device), spans, recorded)
+        return conv_subsets.static_upsample(block, x, geometry, recorded)
+
+    def _geometry(self, kind: str, make, side, height: int, width: int, device: torch.device) -> list[torch.Tensor]:
+        """The boxes' places of `kind` on a `height` x `width` grid, the box's sides `side(fraction,
+        grid side)`, made from the indices at their first use (eager: a compile reads only the
+        buffers, never the box); `fill` makes them again for each step's rows."""
+        entry = self.geometry.get((kind, height * width))
+        if entry is None:
+            args = (height, width, *(side(f, n) for f, n in zip(self.box, (height, width))))
+            # every dimension dynamic: rows, and the box's sides
+            entry = self.geometry[(kind, height * width)] = (make, args, [
+                _dynamic(t.contiguous(), *range(t.dim())) for t in make(self._indices(height * width, device), *args)])
+        return entry[2]
 
     def fill(self, layout: TokenLayout) -> None:
         """The step's indices and recorded outputs into the buffers (rows past the layout's keep
@@ -490,6 +497,17 @@ class StaticSubsets:
                 if self.takes(block):
                     dst.append(buf[r])
                     src.append(row.activations.get(row.step, block, row.row))
+        placed = tuple(row.computed for row in layout.rows)
+        if self.geometry and (len(placed) != len(self._placed)
+                              or any(a is not b for a, b in zip(placed, self._placed))):
+            # (the boxes' places follow from the rows' tokens: made again only when the rows change)
+            for make, args, buffers in self.geometry.values():
+                n = self.indices[args[0] * args[1]].shape[1]
+                tokens = torch.stack([_padded(row.computed[args[0] * args[1]], n) for row in layout.rows])
+                for buffer, value in zip(buffers, make(tokens, *args)):
+                    dst.append(buffer[:len(layout.rows)])
+                    src.append(value)
+            self._placed = placed
         if dst:  # (none where the plan leaves every block whole)
             torch._foreach_copy_(dst, src)
         context, rows = self.context, len(layout.rows)
