@@ -29,8 +29,8 @@ the grid's side from `BOX_SIDES`, one per height and width, part of the graph's 
 device from the row's own computed-token indices, which the static form already holds. Positions
 of the window outside the row's own box keep the recording, so a row gets what the eager form
 gives it alone. Where each row's window lies (`resnet_geometry`, `upsample_geometry`: gather
-indices and masks) is the same for every block at a grid: it is made once per step, before the
-graphs run, and the blocks' operators only read it. Made in each operator, its ~100 small kernels
+indices and masks) is the same for every block at a grid: it is made before the graphs run, when
+a step's rows change, and the blocks' operators only read it. Made in each operator, its ~100 small kernels
 a block were most of a reusing step's launches (4186 at SDXL size).
 
 The upsamplers (SDXL's two: 3.6% of a row's FLOPs, 11% of a reusing step's at a 20% mask with the
@@ -253,8 +253,9 @@ def resnet_geometry(tokens: torch.Tensor, height: int, width: int, box_h: int, b
     widened by 2, clamped onto the grid (gather indices [rows, box_h + 4] and [rows, box_w + 4]) and
     which of it lies on the grid ([rows, box_h + 4, box_w + 4]); widened by 1, clamped, and which of
     it lies on the grid within the row's own box widened by 1; the box itself (on the grid) and which
-    of it lies in the row's own box. The same for every ResNet block at a grid in a step: made once
-    per step (StaticSubsets.fill), not in every block's operator."""
+    of it lies in the row's own box. The same for every ResNet block at a grid in a step: made
+    before the graphs run, when a step's rows change (StaticSubsets.fill), not in every block's
+    operator."""
     own_top, own_bottom, own_left, own_right = _own_box(tokens, height, width)
     top, left = own_top.clamp_max(height - box_h), own_left.clamp_max(width - box_w)
 

@@ -411,8 +411,8 @@ class StaticSubsets:
         self.box, self.boxed = box, box is not None
         self.indices: dict[int, torch.Tensor] = {}  # tokens -> [rows, n]
         # (kind, tokens) -> the boxes' places at that grid (conv_subsets.resnet_geometry's or
-        # upsample_geometry's), the maker's arguments beside the indices, and its buffers: made again
-        # by `fill` once per step for every block at the grid (its sizes dynamic in a compile)
+        # upsample_geometry's), the maker's arguments beside the indices, and its buffers, read by every
+        # block at the grid: made again by `fill` when a step's rows change (sizes dynamic in a compile)
         self.geometry: dict[tuple[str, int], tuple[object, tuple, list[torch.Tensor]]] = {}
         self._placed: tuple = ()  # the rows' computed tokens the geometry was last made for
 
