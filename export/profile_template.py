@@ -13,6 +13,7 @@ CPU (where loads cost nothing: the recording is where the compute is).
 from __future__ import annotations
 
 import logging
+import math
 import statistics
 import time
 from pathlib import Path
@@ -174,8 +175,7 @@ def recorded_layout(config, size: int, rows: int = 1, blocks: bool = True, convs
 
 
 def layout_bytes(layout) -> int:
-    import math
-
+    """The bytes of recorded_layout's outputs."""
     return sum(math.prod(shape) * dtype.itemsize for shape, dtype in layout)
 
 

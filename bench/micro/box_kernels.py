@@ -65,13 +65,47 @@ _VIEWS = frozenset({"alias", "as_strided", "detach", "empty", "empty_like", "exp
                     "unsqueeze", "view", "_unsafe_view"})
 
 
+def block_inputs(c_in: int, c_out: int, side: int, ratio: float, rows: int, device):
+    """One random SDXL ResNet block (fp16, channels_last) on `device`, its input and time embedding,
+    a recording of it at another input, and the arguments of its box's body for an input x
+    (resnet_box_body's, the box placed once as a step places it): (block, x, temb, body_args, report)."""
+    import torch
+    import torch.nn.functional as F
+    from diffusers.models.resnet import ResnetBlock2D
+
+    from backends.core.runtime import conv_subsets
+
+    cl = torch.channels_last
+    torch.manual_seed(0)
+    fraction, tokens = box_fraction(ratio, side)
+    bside = conv_subsets.box_side(fraction, side)
+    with torch.device(device):
+        block = ResnetBlock2D(in_channels=c_in, out_channels=c_out, temb_channels=TEMB, groups=32, eps=1e-5)
+        block = block.half().eval().to(memory_format=cl)
+        x = torch.randn(rows, c_in, side, side, dtype=torch.float16).contiguous(memory_format=cl)
+        temb = torch.randn(rows, TEMB, dtype=torch.float16)
+        recorded, stats, maps = conv_subsets.whole(block, x + 0.1 * torch.randn_like(x), temb, stats=True)
+        geometry = conv_subsets.resnet_geometry(tokens.to(device)[None].expand(rows, -1).contiguous(), side, side,
+                                                bside, bside)
+        temb_proj = block.time_emb_proj(F.silu(temb))
+    shortcut = block.conv_shortcut
+
+    def body_args(x):
+        return (x, temb_proj, geometry, recorded, stats, maps, block.norm1.weight, block.norm1.bias,
+                block.conv1.weight, block.conv1.bias, block.norm2.weight, block.norm2.bias, block.conv2.weight,
+                block.conv2.bias, None if shortcut is None else shortcut.weight,
+                None if shortcut is None else shortcut.bias, 32, 32, 1e-5, 1e-5, float(block.output_scale_factor))
+
+    report = {"in_channels": c_in, "out_channels": c_out, "grid": side, "box_fraction": fraction, "box_side": bside,
+              "computed_tokens": int(tokens.numel())}
+    return block, x, temb, body_args, report
+
+
 def traffic(c_in: int, c_out: int, side: int, ratio: float, rows: int) -> dict:
     """On the meta device: the box body's and the whole block's operators that move memory, and the
     bytes they read and write (each operator's tensors in and out: an upper bound where it reads a
     part of an input)."""
     import torch
-    import torch.nn.functional as F
-    from diffusers.models.resnet import ResnetBlock2D
     from torch.utils._python_dispatch import TorchDispatchMode
 
     from backends.core.runtime import conv_subsets
@@ -90,76 +124,36 @@ def traffic(c_in: int, c_out: int, side: int, ratio: float, rows: int) -> dict:
                 self.bytes += sum(t.numel() * t.element_size() for t in tensors)
             return out
 
-    fraction, tokens = box_fraction(ratio, side)
-    bside = conv_subsets.box_side(fraction, side)
-    cl = torch.channels_last
-    with torch.device("meta"), torch.inference_mode():
-        block = ResnetBlock2D(in_channels=c_in, out_channels=c_out, temb_channels=TEMB, groups=32, eps=1e-5)
-        block = block.half().to(memory_format=cl)
-        x = torch.empty(rows, c_in, side, side, dtype=torch.float16).contiguous(memory_format=cl)
-        temb = torch.empty(rows, TEMB, dtype=torch.float16)
-        recorded = torch.empty(rows, c_out, side, side, dtype=torch.float16).contiguous(memory_format=cl)
-        stats, maps = torch.empty(rows, 2, 32), torch.empty(rows, 2, 32, side, side)
-        token_rows = torch.zeros(rows, tokens.numel(), dtype=torch.long)
-        temb_proj = block.time_emb_proj(F.silu(temb))
-        shortcut = block.conv_shortcut
-        counts = {}
-        geometry = conv_subsets.resnet_geometry(token_rows, side, side, bside, bside)  # (once a step and grid)
-        for name, run in (("box_eager", lambda: conv_subsets.resnet_box_body(
-                x, temb_proj, geometry, recorded, stats, maps,
-                block.norm1.weight, block.norm1.bias, block.conv1.weight, block.conv1.bias, block.norm2.weight,
-                block.norm2.bias, block.conv2.weight, block.conv2.bias, None if shortcut is None else shortcut.weight,
-                None if shortcut is None else shortcut.bias, 32, 32, 1e-5, 1e-5, float(block.output_scale_factor))),
-                ("whole_eager", lambda: block(x, temb))):
+    with torch.inference_mode():
+        block, x, temb, body_args, report = block_inputs(c_in, c_out, side, ratio, rows, "meta")
+        report["counts"] = {}
+        for name, run in (("box_eager", lambda: conv_subsets.resnet_box_body(*body_args(x))),
+                          ("whole_eager", lambda: block(x, temb))):
             with Count() as count:
                 run()
-            counts[name] = {"ops": count.ops, "bytes": count.bytes}
-            log.info("%d->%d @%d^2, box %d^2: %s %d operators, %.1f MB", c_in, c_out, side, bside, name, count.ops,
-                     count.bytes / 1e6)
-    return {"in_channels": c_in, "out_channels": c_out, "grid": side, "box_fraction": fraction, "box_side": bside,
-            "counts": counts}
+            report["counts"][name] = {"ops": count.ops, "bytes": count.bytes}
+            log.info("%d->%d @%d^2, box %d^2: %s %d operators, %.1f MB", c_in, c_out, side, report["box_side"], name,
+                     count.ops, count.bytes / 1e6)
+    return report
 
 
 def measure(c_in: int, c_out: int, side: int, ratio: float, rows: int, iters: int) -> dict:
     import torch
-    import torch.nn.functional as F
-    from diffusers.models.resnet import ResnetBlock2D
 
     from backends.core.runtime import conv_subsets
     from backends.core.runtime.cuda_graphs import capture
     from bench.micro.step_profile import kernel_profile
     from export.profile_template import gpu_ms
 
-    device, cl = torch.device("cuda"), torch.channels_last
-    torch.manual_seed(0)
-    block = ResnetBlock2D(in_channels=c_in, out_channels=c_out, temb_channels=TEMB, groups=32, eps=1e-5)
-    block = block.half().to(device).eval().to(memory_format=cl)
-    fraction, tokens = box_fraction(ratio, side)
-    bside = conv_subsets.box_side(fraction, side)
     with torch.inference_mode():
-        x = torch.randn(rows, c_in, side, side, device=device, dtype=torch.float16).contiguous(memory_format=cl)
-        temb = torch.randn(rows, TEMB, device=device, dtype=torch.float16)
-        recorded, stats, maps = conv_subsets.whole(block, x + 0.1 * torch.randn_like(x), temb, stats=True)
-        token_rows = tokens.to(device)[None].expand(rows, -1).contiguous()
-        geometry = conv_subsets.resnet_geometry(token_rows, side, side, bside, bside)  # (once a step and grid)
-        temb_proj = block.time_emb_proj(F.silu(temb))
-        shortcut = block.conv_shortcut
-
-        def args(x):
-            return (x, temb_proj, geometry, recorded, stats, maps, block.norm1.weight,
-                    block.norm1.bias, block.conv1.weight, block.conv1.bias, block.norm2.weight, block.norm2.bias,
-                    block.conv2.weight, block.conv2.bias, None if shortcut is None else shortcut.weight,
-                    None if shortcut is None else shortcut.bias, 32, 32, 1e-5, 1e-5,
-                    float(block.output_scale_factor))
-
+        block, x, temb, args, report = block_inputs(c_in, c_out, side, ratio, rows, "cuda")
         body = conv_subsets.resnet_box_body
         dynamic, static, whole = (torch.compile(body, dynamic=True), torch.compile(body, dynamic=False),
                                   torch.compile(block))
         fns = {"whole_eager": lambda x: block(x, temb), "whole_compiled": lambda x: whole(x, temb),
                "box_eager": lambda x: body(*args(x)), "box_dynamic": lambda x: dynamic(*args(x)),
                "box_static": lambda x: static(*args(x))}
-        report = {"in_channels": c_in, "out_channels": c_out, "grid": side, "box_fraction": fraction,
-                  "box_side": bside, "computed_tokens": int(tokens.numel()), "variants": {}}
+        report["variants"] = {}
         want = body(*args(x))
         for name in VARIANTS:
             graph, out = capture(fns[name], (x,), warmup_runs=2)
@@ -172,7 +166,8 @@ def measure(c_in: int, c_out: int, side: int, ratio: float, rows: int, iters: in
                 entry["max_abs_err_vs_box_eager"] = float((out.float() - want.float()).abs().max())
             report["variants"][name] = entry
             log.info("%d->%d @%d^2, box %d^2: %s %.3f ms replayed (%.3f-%.3f), %d kernels %.3f ms", c_in, c_out,
-                     side, bside, name, entry["replay_ms"], *entry["spread_ms"], launches, entry["kernel_ms"])
+                     side, report["box_side"], name, entry["replay_ms"], *entry["spread_ms"], launches,
+                     entry["kernel_ms"])
             for kernel, ms in kernels[:4]:
                 log.info("    %.3f ms  %s", ms, kernel)
             del graph

@@ -57,6 +57,8 @@ class StreamedActivations:
         self._steps: dict[int, dict[int, torch.Tensor]] = defaultdict(dict)  # step -> block -> [rows, L, C]
         for (step, block), t in host.outputs.items():
             self._steps[step][block] = t
+        # step -> its outputs' range [start, end) in the host block, and their layout in it
+        self._ranges = {step: _range(host.block, outputs) for step, outputs in self._steps.items()}
         self._buffers: list[_DeviceStep | None] = [None, None]  # by step parity
         self._ready: dict[int, torch.cuda.Event | None] = {}  # steps issued -> their copy's event
         self._copied: dict[int, frozenset[int] | None] = {}  # steps issued -> their blocks (None: every one)
@@ -97,11 +99,10 @@ class StreamedActivations:
         else:
             blocks = None
         self._copied[step] = None if blocks is None else frozenset(b for b in outputs if is_block_key(b))
-        block = self.host.block
-        start, end = host_block.span(block, list(self._steps[step].values()))
-        target = self._device_step(step, start, end)
+        start, end, layout = self._ranges[step]
+        target = self._device_step(step, end - start, layout)
         # The whole step in one transfer (its outputs are one range of the host block), else block by block.
-        pairs = [(target.flat, block[start:end])] if blocks is None else \
+        pairs = [(target.flat, self.host.block[start:end])] if blocks is None else \
             [(target.views[b], t) for b, t in outputs.items()]
         if self.stream is None:
             for dst, src in pairs:
@@ -121,18 +122,24 @@ class StreamedActivations:
             self._ready[step] = done
         self.loaded(sum(t.numel() * t.element_size() for t in outputs.values()))
 
-    def _device_step(self, step: int, start: int, end: int) -> _DeviceStep:
-        """The device range `step` is copied into (its parity's), laid out as the step's host range
-        [start, end): made again where a step's layout differs from the last one's."""
-        base = self.host.block.data_ptr() + start
-        layout = tuple(sorted((t.data_ptr() - base, b, tuple(t.shape), t.dtype) for b, t in self._steps[step].items()))
+    def _device_step(self, step: int, nbytes: int, layout: tuple) -> _DeviceStep:
+        """The device range `step` is copied into (its parity's), `nbytes` laid out as `layout` (the
+        step's host range's): made again where a step's layout differs from the last one's."""
         kept = self._buffers[step % 2]
         if kept is not None and kept.layout == layout:
             return kept
-        flat = torch.empty(end - start, dtype=torch.uint8, device=self.device)
+        flat = torch.empty(nbytes, dtype=torch.uint8, device=self.device)
         if self.stream is not None:  # written on the load stream, freed with the request on ours
             flat.record_stream(self.stream)
         views = {b: flat[at:at + math.prod(shape) * dtype.itemsize].view(dtype).view(shape)
                  for at, b, shape, dtype in layout}
         kept = self._buffers[step % 2] = _DeviceStep(layout, flat, views)
         return kept
+
+
+def _range(block: torch.Tensor, outputs: dict[int, torch.Tensor]) -> tuple[int, int, tuple]:
+    """(start, end, layout) of a step's `outputs` (views into the host `block`): the byte range they
+    cover and each one's (offset in it, key, shape, dtype)."""
+    start, end = host_block.span(block, list(outputs.values()))
+    base = block.data_ptr() + start
+    return start, end, tuple(sorted((t.data_ptr() - base, b, tuple(t.shape), t.dtype) for b, t in outputs.items()))

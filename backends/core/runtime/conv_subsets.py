@@ -30,8 +30,8 @@ device from the row's own computed-token indices, which the static form already 
 of the window outside the row's own box keep the recording, so a row gets what the eager form
 gives it alone. Where each row's window lies (`resnet_geometry`, `upsample_geometry`: gather
 indices and masks) is the same for every block at a grid: it is made before the graphs run, when
-a step's rows change, and the blocks' operators only read it. Made in each operator, its ~100 small kernels
-a block were most of a reusing step's launches (4186 at SDXL size).
+a step's rows change, and the blocks' operators only read it. Made in each operator, its ~100
+small kernels a block were most of a reusing step's launches (4186 at SDXL size).
 
 The upsamplers (SDXL's two: 3.6% of a row's FLOPs, 11% of a reusing step's at a 20% mask with the
 ResNet boxes) take the same way in the static form (`static_upsample`), on their input's widened
@@ -271,19 +271,6 @@ def resnet_geometry(tokens: torch.Tensor, height: int, width: int, box_h: int, b
     return out + [gr, gc, _within(gr, gc, own_top, own_bottom, own_left, own_right)]
 
 
-@torch.library.custom_op("easel::resnet_box", mutates_args=(), schema=(
-    "(Tensor x, Tensor temb_proj, Tensor[] geometry, Tensor recorded, Tensor norm2_stats, Tensor norm2_maps, "
-    "Tensor? norm1_weight, Tensor? norm1_bias, Tensor conv1_weight, Tensor? conv1_bias, Tensor? norm2_weight, "
-    "Tensor? norm2_bias, Tensor conv2_weight, Tensor? conv2_bias, Tensor? shortcut_weight, Tensor? shortcut_bias, "
-    "int groups1, int groups2, float eps1, float eps2, float scale) -> Tensor"))
-def _resnet_box(x, temb_proj, geometry, recorded, norm2_stats, norm2_maps, norm1_weight, norm1_bias, conv1_weight,
-                conv1_bias, norm2_weight, norm2_bias, conv2_weight, conv2_bias, shortcut_weight, shortcut_bias,
-                groups1, groups2, eps1, eps2, scale):
-    return resnet_box_body(x, temb_proj, geometry, recorded, norm2_stats, norm2_maps, norm1_weight, norm1_bias,
-                           conv1_weight, conv1_bias, norm2_weight, norm2_bias, conv2_weight, conv2_bias,
-                           shortcut_weight, shortcut_bias, groups1, groups2, eps1, eps2, scale)
-
-
 def resnet_box_body(x, temb_proj, geometry, recorded, norm2_stats, norm2_maps, norm1_weight, norm1_bias, conv1_weight,
                     conv1_bias, norm2_weight, norm2_bias, conv2_weight, conv2_bias, shortcut_weight, shortcut_bias,
                     groups1, groups2, eps1, eps2, scale):
@@ -295,15 +282,14 @@ def resnet_box_body(x, temb_proj, geometry, recorded, norm2_stats, norm2_maps, n
     rows2, cols2, on2, rows1, cols1, window1, rows0, cols0, own0 = geometry
     height, width = x.shape[-2:]
     rows = _rows(x)
-    a1 = _group_normed(_window(x, _at(rows, rows2, cols2)), _stats(x, groups1), groups1, eps1, norm1_weight,
-                       norm1_bias)
+    a1 = _group_normed(_window(x, _at(rows, rows2, cols2)), _stats(x, groups1), eps1, norm1_weight, norm1_bias)
     F.silu(a1, inplace=True).mul_(on2[:, None])
     h = F.conv2d(a1, conv1_weight, conv1_bias).add_(temb_proj[:, :, None, None])  # the box widened by 1
     # norm2's statistics corrected on the row's own window (its box widened by 1, on the grid)
     new = _window_sums(h, norm2_stats[:, 0], groups2, window1)
     old = (_window(norm2_maps, _at(rows, rows1, cols1), layout=False) * window1[:, None, None]).sum((-1, -2))
     stats = _swapped(norm2_stats, new, old, h.shape[1] // groups2 * height * width)
-    a2 = _group_normed(h, stats, groups2, eps2, norm2_weight, norm2_bias)
+    a2 = _group_normed(h, stats, eps2, norm2_weight, norm2_bias)
     F.silu(a2, inplace=True).mul_(window1[:, None])
     y = F.conv2d(a2, conv2_weight, conv2_bias)
     at = _at(rows, rows0, cols0)
@@ -314,6 +300,14 @@ def resnet_box_body(x, temb_proj, geometry, recorded, norm2_stats, norm2_maps, n
     if scale != 1.0:
         y.div_(scale)
     return _put_window(recorded, at, torch.where(own0[:, None], y, _window(recorded, at)))
+
+
+# (the body stays a plain function beside its operator)
+_resnet_box = torch.library.custom_op("easel::resnet_box", mutates_args=(), schema=(
+    "(Tensor x, Tensor temb_proj, Tensor[] geometry, Tensor recorded, Tensor norm2_stats, Tensor norm2_maps, "
+    "Tensor? norm1_weight, Tensor? norm1_bias, Tensor conv1_weight, Tensor? conv1_bias, Tensor? norm2_weight, "
+    "Tensor? norm2_bias, Tensor conv2_weight, Tensor? conv2_bias, Tensor? shortcut_weight, Tensor? shortcut_bias, "
+    "int groups1, int groups2, float eps1, float eps2, float scale) -> Tensor"))(resnet_box_body)
 
 
 @_resnet_box.register_fake
@@ -473,10 +467,10 @@ def _stats(h: torch.Tensor, groups: int) -> torch.Tensor:
 
 def _normed(t: torch.Tensor, norm: torch.nn.GroupNorm, stats: torch.Tensor) -> torch.Tensor:
     """`norm` applied to `t` (a cut of the grid) with the whole grid's statistics."""
-    return _group_normed(t, stats, norm.num_groups, norm.eps, norm.weight, norm.bias)
+    return _group_normed(t, stats, norm.eps, norm.weight, norm.bias)
 
 
-def _group_normed(t: torch.Tensor, stats: torch.Tensor, groups: int, eps: float, weight: torch.Tensor | None,
+def _group_normed(t: torch.Tensor, stats: torch.Tensor, eps: float, weight: torch.Tensor | None,
                   bias: torch.Tensor | None) -> torch.Tensor:
     """GroupNorm of `t` with the statistics `stats` ([rows, 2, groups]) and the affine `weight`
     and `bias` (None: none): one scale and shift per row and channel (fp32), applied in one pass

@@ -497,19 +497,20 @@ class StaticSubsets:
                 if self.takes(block):
                     dst.append(buf[r])
                     src.append(row.activations.get(row.step, block, row.row))
+        if dst:  # (none where the plan leaves every block whole)
+            torch._foreach_copy_(dst, src)
         placed = tuple(row.computed for row in layout.rows)
         if self.geometry and (len(placed) != len(self._placed)
                               or any(a is not b for a, b in zip(placed, self._placed))):
-            # (the boxes' places follow from the rows' tokens: made again only when the rows change)
+            # The boxes' places follow from the rows' tokens (just copied): made again only when the
+            # rows change.
+            dst, src = [], []
             for make, args, buffers in self.geometry.values():
-                n = self.indices[args[0] * args[1]].shape[1]
-                tokens = torch.stack([_padded(row.computed[args[0] * args[1]], n) for row in layout.rows])
-                for buffer, value in zip(buffers, make(tokens, *args)):
-                    dst.append(buffer[:len(layout.rows)])
-                    src.append(value)
-            self._placed = placed
-        if dst:  # (none where the plan leaves every block whole)
+                values = make(self.indices[args[0] * args[1]][:len(placed)], *args)
+                dst += [buffer[:len(placed)] for buffer in buffers]
+                src += values
             torch._foreach_copy_(dst, src)
+            self._placed = placed
         context, rows = self.context, len(layout.rows)
         for block, tokens in self.buffers.tokens.items():
             taken = self.takes(block)
