@@ -142,6 +142,44 @@ def _apply(x_ptr, pre_bias_ptr, y_ptr, w_ptr, b_ptr, group_mean_ptr, group_rstd_
         tl.store(y_ptr + offs, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
+def _launch_config(x: torch.Tensor) -> tuple[int, int, int]:
+    """(block_p, block_c, warps) of a [pixels, channels] tile for x's channels."""
+    block_c = triton.next_power_of_2(x.shape[1])
+    block_p = max(1, _TILE // block_c)
+    return block_p, block_c, 8 if block_p * block_c >= 2048 else 4
+
+
+def _group_stats(x: torch.Tensor, num_groups: int, eps: float, pre_bias: torch.Tensor | None,
+                 bias_arg: torch.Tensor) -> torch.Tensor:
+    """[2, N * num_groups] fp32: each sample's and group's mean and 1/std (the stats and finalize
+    passes); `bias_arg`: pre_bias, or any tensor when there is none (its pointer is unread)."""
+    N, C = x.shape[0], x.shape[1]
+    HW = math.prod(x.shape[2:])
+    cpg = C // num_groups
+    block_p, block_c, warps = _launch_config(x)
+    sms = num_sms(x.device)
+    # Stats: ~8 resident programs per SM, each at least a few tiles long.
+    splits = max(1, min(_MAX_SPLITS, triton.cdiv(8 * sms, N), HW // (_MIN_TILES_PER_SPLIT * block_p)))
+    chunk = triton.cdiv(triton.cdiv(HW, splits), block_p) * block_p
+    splits = triton.cdiv(HW, chunk)
+    partials = torch.empty((2, N * splits * C), device=x.device, dtype=torch.float32)
+    group_stats = torch.empty((2, N * num_groups), device=x.device, dtype=torch.float32)
+    has_bias = pre_bias is not None
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _stats[(N, splits)](x, bias_arg, partials[0], partials[1], HW, C, cpg, chunk, splits,
+                            HAS_BIAS=has_bias, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps)
+        _finalize[(N * num_groups,)](x, bias_arg, partials[0], partials[1], group_stats[0], group_stats[1],
+                                     HW, C, num_groups, cpg, chunk, splits, eps, HAS_BIAS=has_bias,
+                                     BLOCK_S=64, BLOCK_CPG=triton.next_power_of_2(cpg))
+    return group_stats
+
+
+def group_stats_nhwc(x: torch.Tensor, num_groups: int, eps: float) -> torch.Tensor:
+    """GroupNorm's statistics of a channels_last [N, C, H, W] x: [2, N * num_groups] fp32, each
+    sample's and group's mean and 1/std (biased variance), read from x's own dtype."""
+    return _group_stats(x, num_groups, eps, None, x)
+
+
 def group_norm_silu_nhwc(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, num_groups: int, eps: float,
                          pre_bias: torch.Tensor | None = None) -> torch.Tensor:
     """y = silu(group_norm(x [+ pre_bias])) for a channels_last [N, C, H, W] x; y is channels_last."""
@@ -151,28 +189,15 @@ def group_norm_silu_nhwc(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     y = torch.empty_like(x, memory_format=torch.channels_last)
     if x.numel() == 0:
         return y
-    cpg = C // num_groups
-    block_c = triton.next_power_of_2(C)
-    block_p = max(1, _TILE // block_c)
-    sms = num_sms(x.device)
-    # Stats: ~8 resident programs per SM, each at least a few tiles long.
-    splits = max(1, min(_MAX_SPLITS, triton.cdiv(8 * sms, N), HW // (_MIN_TILES_PER_SPLIT * block_p)))
-    chunk = triton.cdiv(triton.cdiv(HW, splits), block_p) * block_p
-    splits = triton.cdiv(HW, chunk)
-    partials = torch.empty((2, N * splits * C), device=x.device, dtype=torch.float32)
-    group_stats = torch.empty((2, N * num_groups), device=x.device, dtype=torch.float32)
-    tiles = triton.cdiv(HW, block_p)
-    per_program = max(1, min(8, tiles, (N * tiles) // (8 * sms)))
+    block_p, block_c, warps = _launch_config(x)
     has_bias = pre_bias is not None
     pre_bias = pre_bias.contiguous() if has_bias else weight  # any pointer: unread without HAS_BIAS
-    warps = 8 if block_p * block_c >= 2048 else 4
+    group_stats = _group_stats(x, num_groups, eps, pre_bias if has_bias else None, pre_bias)
+    tiles = triton.cdiv(HW, block_p)
+    per_program = max(1, min(8, tiles, (N * tiles) // (8 * num_sms(x.device))))
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _stats[(N, splits)](x, pre_bias, partials[0], partials[1], HW, C, cpg, chunk, splits,
-                            HAS_BIAS=has_bias, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps)
-        _finalize[(N * num_groups,)](x, pre_bias, partials[0], partials[1], group_stats[0], group_stats[1],
-                                     HW, C, num_groups, cpg, chunk, splits, eps, HAS_BIAS=has_bias,
-                                     BLOCK_S=64, BLOCK_CPG=triton.next_power_of_2(cpg))
         _apply[(N, triton.cdiv(tiles, per_program))](x, pre_bias, y, weight, bias, group_stats[0], group_stats[1],
-                                                     HW, C, num_groups, cpg, per_program, HAS_BIAS=has_bias,
-                                                     BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps)
+                                                     HW, C, num_groups, C // num_groups, per_program,
+                                                     HAS_BIAS=has_bias, BLOCK_P=block_p, BLOCK_C=block_c,
+                                                     num_warps=warps)
     return y

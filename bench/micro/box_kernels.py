@@ -9,7 +9,8 @@ SDXL-base's shapes with random fp16 weights, channels_last, each variant as a CU
 
 - `whole_eager`, `whole_compiled`: the block on every token (diffusers' module; compiled by
   inductor with static shapes, about what the exact compiled step runs);
-- `box_eager`: conv_subsets.resnet_box_body as the reusing graphs run it;
+- `box_eager`: conv_subsets.resnet_box_body, the box's torch form;
+- `box_triton`: easel::resnet_box, which the reusing graphs run: on CUDA, plugins/resnet_box_kernel.py;
 - `box_dynamic`, `box_static`: that body compiled by inductor alone, every size dynamic (one
   compile for every box) or every size static (a compile per block and box).
 
@@ -39,7 +40,7 @@ TEMB = 1280  # SDXL's time embedding
 # in channels : out channels : grid side, SDXL base's at 1024 px (one of each level's widths, and one
 # of the up blocks' with a shortcut)
 BLOCKS = "320:320:128,1280:1280:32"
-VARIANTS = ("whole_eager", "whole_compiled", "box_eager", "box_dynamic", "box_static")
+VARIANTS = ("whole_eager", "whole_compiled", "box_eager", "box_triton", "box_dynamic", "box_static")
 
 
 def box_fraction(ratio: float, side: int) -> tuple[float, object]:
@@ -151,7 +152,8 @@ def measure(c_in: int, c_out: int, side: int, ratio: float, rows: int, iters: in
         dynamic, static, whole = (torch.compile(body, dynamic=True), torch.compile(body, dynamic=False),
                                   torch.compile(block))
         fns = {"whole_eager": lambda x: block(x, temb), "whole_compiled": lambda x: whole(x, temb),
-               "box_eager": lambda x: body(*args(x)), "box_dynamic": lambda x: dynamic(*args(x)),
+               "box_eager": lambda x: body(*args(x)), "box_triton": lambda x: torch.ops.easel.resnet_box(*args(x)),
+               "box_dynamic": lambda x: dynamic(*args(x)),
                "box_static": lambda x: static(*args(x))}
         report["variants"] = {}
         want = body(*args(x))

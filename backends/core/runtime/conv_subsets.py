@@ -275,10 +275,9 @@ def resnet_box_body(x, temb_proj, geometry, recorded, norm2_stats, norm2_maps, n
                     conv1_bias, norm2_weight, norm2_bias, conv2_weight, conv2_bias, shortcut_weight, shortcut_bias,
                     groups1, groups2, eps1, eps2, scale):
     """static_region's box: a plain ResNet block's tensors and settings, its time embedding projected
-    (easel::resnet_box's body, apart from the operator so that bench/micro/box_kernels.py can
-    compile it alone). In place where a tensor is the body's own: each pass over a window is a
-    kernel, and at SDXL's sizes on an H200 the passes, not the convolutions, were most of a box's
-    time."""
+    (easel::resnet_box's body on every device but CUDA, where plugins/resnet_box_kernel.py's Triton
+    kernels run it; apart from the operator so that tests and bench/micro/box_kernels.py can run it
+    on a GPU too). In place where a tensor is the body's own: each pass over a window is a kernel."""
     rows2, cols2, on2, rows1, cols1, window1, rows0, cols0, own0 = geometry
     height, width = x.shape[-2:]
     rows = _rows(x)
@@ -315,6 +314,17 @@ def _(x, temb_proj, geometry, recorded, *rest):
     return torch.empty_like(recorded)
 
 
+@_resnet_box.register_kernel("cuda")
+def _(x, temb_proj, geometry, recorded, norm2_stats, norm2_maps, norm1_weight, norm1_bias, conv1_weight, conv1_bias,
+      norm2_weight, norm2_bias, conv2_weight, conv2_bias, shortcut_weight, shortcut_bias, groups1, groups2, eps1, eps2,
+      scale):
+    from plugins import resnet_box_kernel  # (Triton: imported at a GPU's first box)
+
+    return resnet_box_kernel.resnet_box(x, temb_proj, geometry, recorded, norm2_stats, norm2_maps, norm1_weight,
+                                        norm1_bias, conv1_weight, conv1_bias, norm2_weight, norm2_bias, conv2_weight,
+                                        conv2_bias, shortcut_weight, shortcut_bias, groups1, groups2, eps1, eps2, scale)
+
+
 def upsample_side(fraction: float, side: int) -> int:
     """The static form's box side at an upsampler's output grid, for a box of `fraction` of its input
     grid's side `side`: the input box doubled and a token either side (the convolution's reach)."""
@@ -347,9 +357,8 @@ def upsample_geometry(tokens: torch.Tensor, height: int, width: int, box_h: int,
             _within(inner_r, inner_c, top, bottom, left, right)]
 
 
-@torch.library.custom_op("easel::upsample_box", mutates_args=(), schema=(
-    "(Tensor x, Tensor[] geometry, Tensor recorded, Tensor weight, Tensor? bias) -> Tensor"))
-def _upsample_box(x, geometry, recorded, weight, bias):
+def upsample_box_body(x, geometry, recorded, weight, bias):
+    """static_upsample's box (easel::upsample_box's body on every device but CUDA)."""
     source_rows, source_cols, on, box_rows, box_cols, own = geometry
     rows = _rows(x)
     cut = _window(x, _at(rows, source_rows, source_cols)).mul_(on[:, None])
@@ -358,9 +367,20 @@ def _upsample_box(x, geometry, recorded, weight, bias):
     return _put_window(recorded, at, torch.where(own[:, None], y, _window(recorded, at)))
 
 
+_upsample_box = torch.library.custom_op("easel::upsample_box", mutates_args=(), schema=(
+    "(Tensor x, Tensor[] geometry, Tensor recorded, Tensor weight, Tensor? bias) -> Tensor"))(upsample_box_body)
+
+
 @_upsample_box.register_fake
 def _(x, geometry, recorded, weight, bias):
     return torch.empty_like(recorded)
+
+
+@_upsample_box.register_kernel("cuda")
+def _(x, geometry, recorded, weight, bias):
+    from plugins import resnet_box_kernel
+
+    return resnet_box_kernel.upsample_box(x, geometry, recorded, weight, bias)
 
 
 def _own_box(tokens: torch.Tensor, height: int, width: int) -> tuple[torch.Tensor, ...]:
