@@ -7,11 +7,11 @@ masks, the deviation sums, the scatter into the recording) were about 75 kernels
 longer than its two convolutions at SDXL's sizes on an H200. Here each pass is one kernel, around
 cuDNN's convolutions:
 
-1. norm1's statistics over x's whole grid (groupnorm_silu_nhwc_kernel's passes; torch's for NCHW);
+1. norm1's statistics over x's whole grid (groupnorm_silu_nhwc_kernel's passes, read in x's layout);
 2. `_window`: each row's window of x gathered, normalized, SiLU, masked            -> conv1;
 3. `_window_sums`: per row and channel, the deviation sums of h (+ the time embedding) on the row's
-   own window, and norm2's recorded per-position sums there, as per-program partials summed in a
-   fixed order (deterministic);
+   own window, and norm2's recorded per-position sums there, as per-program partials that
+   `_window_totals` sums per group in a fixed order (deterministic);
 4. `_window` again: h normalized with norm2's statistics corrected by those sums (worked out per
    channel in the kernel: conv_subsets._swapped), SiLU, masked                      -> conv2;
 5. `_place`: conv2's output and the shortcut added, scaled and written into a copy of the recording
@@ -33,7 +33,7 @@ import triton
 import triton.language as tl
 
 from plugins.groupnorm_silu_kernel import num_sms, rounded_like
-from plugins.groupnorm_silu_nhwc_kernel import group_stats_nhwc
+from plugins.groupnorm_silu_nhwc_kernel import group_stats
 
 _TILE = 4096  # elements of a [positions, channels] tile
 _MAX_BLOCK_C = 128
@@ -138,6 +138,36 @@ def _window_sums(h, pre_ptr, stats_ptr, window, maps, rows_idx, cols_idx, part_h
 
 
 @triton.jit
+def _window_totals(part_h, part_m, new_ptr, old_ptr, C, G, cpg, splits, BLOCK_S: tl.constexpr,
+                   BLOCK_CPG: tl.constexpr):
+    """new[r, :, g], old[r, :, g]: _window_sums' partials of a row's group summed over its splits
+    (and, for h's, over the group's channels), in a fixed order."""
+    r = tl.program_id(0) // G
+    g = tl.program_id(0) % G
+    ss = tl.arange(0, BLOCK_S)
+    js = tl.arange(0, BLOCK_CPG)
+    acc = tl.zeros([BLOCK_S, BLOCK_CPG], dtype=tl.float32)
+    acc2 = tl.zeros([BLOCK_S, BLOCK_CPG], dtype=tl.float32)
+    rec = tl.zeros([BLOCK_S], dtype=tl.float32)
+    rec2 = tl.zeros([BLOCK_S], dtype=tl.float32)
+    for s0 in range(0, splits, BLOCK_S):
+        s = s0 + ss
+        live_s = s < splits
+        live = live_s[:, None] & (js < cpg)[None, :]
+        at = (r * splits + s)[:, None] * 2 * C + g * cpg + js[None, :]
+        acc += tl.load(part_h + at, mask=live, other=0.0)
+        acc2 += tl.load(part_h + at + C, mask=live, other=0.0)
+        at = (r * splits + s) * 2 * G + g
+        rec += tl.load(part_m + at, mask=live_s, other=0.0)
+        rec2 += tl.load(part_m + at + G, mask=live_s, other=0.0)
+    out = r * 2 * G + g
+    tl.store(new_ptr + out, tl.sum(tl.sum(acc, 1), 0))
+    tl.store(new_ptr + out + G, tl.sum(tl.sum(acc2, 1), 0))
+    tl.store(old_ptr + out, tl.sum(rec, 0))
+    tl.store(old_ptr + out + G, tl.sum(rec2, 0))
+
+
+@triton.jit
 def _place(out, y, s, rows_idx, cols_idx, own, C, bw, n_pos, scale, o_n, o_c, o_h, o_w, y_n, y_c, y_h, y_w,
            s_n, s_c, s_h, s_w, SHORTCUT: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     """out[r, :, rows[r, i], cols[r, j]] = (y[r, :, i, j] + shortcut) / scale where own[r, i, j].
@@ -232,14 +262,17 @@ def window_sums(h: torch.Tensor, pre: torch.Tensor, stats: torch.Tensor, window_
     splits = max(1, min(triton.cdiv(n_pos, block_p), triton.cdiv(4 * num_sms(h.device), n)))
     chunk = triton.cdiv(triton.cdiv(n_pos, splits), block_p) * block_p
     splits = triton.cdiv(n_pos, chunk)
-    part_h = torch.empty((n, splits, 2, G, C // G), dtype=torch.float32, device=h.device)
+    part_h = torch.empty((n, splits, 2, C), dtype=torch.float32, device=h.device)
     part_m = torch.empty((n, splits, 2, G), dtype=torch.float32, device=h.device)
+    new, old = torch.empty((2, n, 2, G), dtype=torch.float32, device=h.device)
     with _on_device(h):
         _window_sums[(n, splits)](h, pre, stats, _bytes(window_mask), maps, rows.contiguous(), cols.contiguous(),
                                   part_h, part_m, C, G, C // G, bw, n_pos, chunk, splits, height * width, width,
                                   *h.stride(), BLOCK_P=block_p, BLOCK_C=block_c,
                                   BLOCK_K=triton.next_power_of_2(2 * G), num_warps=8 if block_c >= 1024 else 4)
-    return part_h.sum((1, 4)), part_m.sum(1)
+        _window_totals[(n * G,)](part_h, part_m, new, old, C, G, C // G, splits, BLOCK_S=32,
+                                 BLOCK_CPG=triton.next_power_of_2(C // G))
+    return new, old
 
 
 def place(recorded: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, cols: torch.Tensor, own: torch.Tensor,
@@ -259,14 +292,6 @@ def place(recorded: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, cols: tor
             *out.stride(), *y.stride(), *s.stride(), SHORTCUT=0 if shortcut is None else 1 if on_grid else 2,
             BLOCK_P=block_p, BLOCK_C=block_c, num_warps=4)
     return out
-
-
-def group_stats(x: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
-    """[2, rows * groups] fp32: each row's and group's mean and 1/std over x's whole grid."""
-    if _channels_last(x):
-        return group_stats_nhwc(x, groups, eps)
-    var, mean = torch.var_mean(x.float().unflatten(1, (groups, -1)), dim=(2, 3, 4), correction=0)
-    return torch.stack([mean.flatten(), torch.rsqrt(var.flatten() + eps)])
 
 
 def resnet_box(x, temb_proj, geometry, recorded, norm2_stats, norm2_maps, norm1_weight, norm1_bias, conv1_weight,
