@@ -73,10 +73,10 @@ def _window(src, out, rows_idx, cols_idx, on, mean_ptr, rstd_ptr, stats_ptr, new
         rstd = tl.load(rstd_ptr + g, mask=live_c, other=0.0)
     if NORM == 2:
         g = r * 2 * G + c // cpg
-        shift = (tl.load(new_ptr + g, mask=live_c, other=0.0) - tl.load(old_ptr + g, mask=live_c, other=0.0)) / positions
-        var = (tl.load(stats_ptr + g + G, mask=live_c, other=0.0)
-               + (tl.load(new_ptr + g + G, mask=live_c, other=0.0)
-                  - tl.load(old_ptr + g + G, mask=live_c, other=0.0)) / positions - shift * shift)
+        d_sum = tl.load(new_ptr + g, mask=live_c, other=0.0) - tl.load(old_ptr + g, mask=live_c, other=0.0)
+        d_squares = tl.load(new_ptr + g + G, mask=live_c, other=0.0) - tl.load(old_ptr + g + G, mask=live_c, other=0.0)
+        shift = d_sum / positions
+        var = tl.load(stats_ptr + g + G, mask=live_c, other=0.0) + d_squares / positions - shift * shift
         mean = tl.load(stats_ptr + g, mask=live_c, other=0.0) + shift
         rstd = tl.rsqrt(tl.maximum(var, 0.0) + eps)
     if NORM > 0:
