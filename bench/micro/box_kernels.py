@@ -2,8 +2,9 @@
 
 A reusing template edit runs each ResNet block on its mask's box (runtime/conv_subsets.py's static
 form, easel::resnet_box, which the reusing steps' CUDA graphs capture). At SDXL's shapes on an
-H200 (1024 px, 2 rows, a 20% mask) the boxes' kernels took about as long as the whole blocks they
-stand in for, run as written or compiled with every size dynamic. This times one block at a time,
+H200 (1024 px, 2 rows, a 20% mask) the boxes' torch operators took about as long as the whole
+blocks they stand in for, run as written or compiled with every size dynamic; their Triton kernels
+(plugins/resnet_box_kernel.py) less (bench/results/2026-12-02d-h200). This times one block at a time,
 SDXL-base's shapes with random fp16 weights, channels_last, each variant as a CUDA graph replayed
 (median of `--iters`), and profiles its kernels unreplayed:
 
