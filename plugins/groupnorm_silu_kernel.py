@@ -100,14 +100,9 @@ def _partial_stats(x_ptr, pre_bias_ptr, mean_ptr, m2_ptr, count_ptr, group_numel
 
 
 @triton.jit
-def _apply(x_ptr, pre_bias_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, m2_ptr, count_ptr,
-           C, HW, channels_per_group, G, group_numel, splits, tiles_per_program, eps,
-           HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr):
-    row = tl.program_id(0)  # n * C + c
-    n = row // C
-    c = row % C
-    group = n * G + c // channels_per_group
-
+def _merged(x_ptr, mean_ptr, m2_ptr, count_ptr, group, group_numel, splits, BLOCK_S: tl.constexpr):
+    """A group's (mean, M2, count) merged from its splits' partials, and the stats pass's shift
+    (the group's first element), which the mean is relative to."""
     s = tl.arange(0, BLOCK_S)
     live = s < splits
     part = group * splits + s
@@ -116,7 +111,18 @@ def _apply(x_ptr, pre_bias_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, m2_ptr, count_ptr
          tl.load(m2_ptr + part, mask=live, other=0.0),
          tl.load(count_ptr + part, mask=live, other=0.0)),
         0, _welford_combine)
-    first = tl.load(x_ptr + group.to(tl.int64) * group_numel).to(tl.float32)  # the stats pass's shift
+    return mean, m2, count, tl.load(x_ptr + group.to(tl.int64) * group_numel).to(tl.float32)
+
+
+@triton.jit
+def _apply(x_ptr, pre_bias_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, m2_ptr, count_ptr,
+           C, HW, channels_per_group, G, group_numel, splits, tiles_per_program, eps,
+           HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK: tl.constexpr):
+    row = tl.program_id(0)  # n * C + c
+    n = row // C
+    c = row % C
+    group = n * G + c // channels_per_group
+    mean, m2, count, first = _merged(x_ptr, mean_ptr, m2_ptr, count_ptr, group, group_numel, splits, BLOCK_S)
     if HAS_BIAS:
         first += tl.load(pre_bias_ptr + (c // channels_per_group) * channels_per_group).to(tl.float32)
         x_bias = tl.load(pre_bias_ptr + c).to(tl.float32)
@@ -138,6 +144,17 @@ def _apply(x_ptr, pre_bias_ptr, y_ptr, w_ptr, b_ptr, mean_ptr, m2_ptr, count_ptr
         tl.store(y_ptr + base + offs, y.to(y_ptr.dtype.element_ty), mask=m)
 
 
+@triton.jit
+def _group_totals(x_ptr, mean_ptr, m2_ptr, count_ptr, out_ptr, groups, group_numel, splits, eps,
+                  BLOCK_S: tl.constexpr):
+    """out[0, group], out[1, group]: a group's mean and 1/std from its splits' partials (the
+    statistics alone, without the apply pass)."""
+    group = tl.program_id(0)
+    mean, m2, count, first = _merged(x_ptr, mean_ptr, m2_ptr, count_ptr, group, group_numel, splits, BLOCK_S)
+    tl.store(out_ptr + group, mean + first)
+    tl.store(out_ptr + groups + group, tl.rsqrt(m2 / count + eps))  # biased variance, as torch's GroupNorm
+
+
 @functools.lru_cache(maxsize=None)
 def num_sms(device: torch.device) -> int:
     if device.type != "cuda":
@@ -157,35 +174,59 @@ def group_norm_silu_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     if x.numel() == 0:
         return y
     group_numel = (C // num_groups) * HW
-    if group_numel >= 2**30:  # offsets inside a group are int32 (whole-tensor ones are int64)
-        raise ValueError(f"group_norm_silu: groups of {group_numel} elements are over the kernel's 2^30")
     sms = num_sms(x.device)
-
-    # Stats: aim for ~8 resident programs per SM, each at least a few tiles long.
-    block = min(_STATS_BLOCK, triton.next_power_of_2(group_numel))
-    groups = N * num_groups
-    splits = max(1, min(_MAX_SPLITS, triton.cdiv(8 * sms, groups),
-                        group_numel // (_MIN_TILES_PER_SPLIT * block)))
-    chunk = triton.cdiv(triton.cdiv(group_numel, splits), block) * block
-    splits = triton.cdiv(group_numel, chunk)  # rounding the chunk up may leave fewer
-    partials = torch.empty((3, groups * splits), device=x.device, dtype=torch.float32)
+    has_bias = pre_bias is not None
+    pre_bias = pre_bias.contiguous() if has_bias else weight  # any pointer: unread without HAS_BIAS
+    partials, splits = _partial_stats_of(x, num_groups, pre_bias, has_bias)
 
     # Apply: one channel row per program axis 0; several tiles per program when there are
     # plenty, so each program's merge of the partials is amortized.
     apply_block = min(_APPLY_BLOCK, triton.next_power_of_2(HW))
     tiles = triton.cdiv(HW, apply_block)
     per_program = max(1, min(8, tiles, (N * C * tiles) // (8 * sms)))
-    has_bias = pre_bias is not None
-    pre_bias = pre_bias.contiguous() if has_bias else weight  # any pointer: unread without HAS_BIAS
-
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _partial_stats[(groups, splits)](
-            x, pre_bias, partials[0], partials[1], partials[2], group_numel, chunk, splits,
-            C, HW, C // num_groups, num_groups,
-            HAS_BIAS=has_bias, BLOCK=block, num_warps=8 if block >= 2048 else 4)
         _apply[(N * C, triton.cdiv(tiles, per_program))](
             x, pre_bias, y, weight, bias, partials[0], partials[1], partials[2],
             C, HW, C // num_groups, num_groups, group_numel, splits, per_program, eps,
             HAS_BIAS=has_bias, BLOCK_S=max(2, triton.next_power_of_2(splits)), BLOCK=apply_block,
             num_warps=8 if apply_block >= 2048 else 4)
     return y
+
+
+def _partial_stats_of(x: torch.Tensor, num_groups: int, pre_bias: torch.Tensor, has_bias: bool
+                      ) -> tuple[torch.Tensor, int]:
+    """The stats pass over a contiguous x: partials [3, N * num_groups * splits] (mean, M2, count
+    of each group's splits, shifted by the group's first element) and the number of splits."""
+    N, C = x.shape[0], x.shape[1]
+    HW = math.prod(x.shape[2:])
+    group_numel = (C // num_groups) * HW
+    if group_numel >= 2**30:  # offsets inside a group are int32 (whole-tensor ones are int64)
+        raise ValueError(f"group_norm_silu: groups of {group_numel} elements are over the kernel's 2^30")
+    # Aim for ~8 resident programs per SM, each at least a few tiles long.
+    block = min(_STATS_BLOCK, triton.next_power_of_2(group_numel))
+    groups = N * num_groups
+    splits = max(1, min(_MAX_SPLITS, triton.cdiv(8 * num_sms(x.device), groups),
+                        group_numel // (_MIN_TILES_PER_SPLIT * block)))
+    chunk = triton.cdiv(triton.cdiv(group_numel, splits), block) * block
+    splits = triton.cdiv(group_numel, chunk)  # rounding the chunk up may leave fewer
+    partials = torch.empty((3, groups * splits), device=x.device, dtype=torch.float32)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _partial_stats[(groups, splits)](
+            x, pre_bias, partials[0], partials[1], partials[2], group_numel, chunk, splits,
+            C, HW, C // num_groups, num_groups,
+            HAS_BIAS=has_bias, BLOCK=block, num_warps=8 if block >= 2048 else 4)
+    return partials, splits
+
+
+def group_stats_nchw(x: torch.Tensor, num_groups: int, eps: float) -> torch.Tensor:
+    """GroupNorm's statistics of a contiguous (NCHW) x [N, C, *spatial]: [2, N * num_groups] fp32,
+    each sample's and group's mean and 1/std (biased variance), read in x's own dtype, each group's
+    elements contiguous (plugins/groupnorm_silu_nhwc_kernel.group_stats reads a channels_last x)."""
+    N, C = x.shape[0], x.shape[1]
+    partials, splits = _partial_stats_of(x, num_groups, x, False)
+    out = torch.empty((2, N * num_groups), device=x.device, dtype=torch.float32)
+    with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
+        _group_totals[(N * num_groups,)](x, partials[0], partials[1], partials[2], out, N * num_groups,
+                                         (C // num_groups) * math.prod(x.shape[2:]), splits, eps,
+                                         BLOCK_S=max(2, triton.next_power_of_2(splits)))
+    return out

@@ -7,7 +7,8 @@ masks, the deviation sums, the scatter into the recording) were about 75 kernels
 longer than its two convolutions at SDXL's sizes on an H200. Here each pass is one kernel, around
 cuDNN's convolutions:
 
-1. norm1's statistics over x's whole grid (groupnorm_silu_nhwc_kernel's passes, read in x's layout);
+1. norm1's statistics over x's whole grid (groupnorm_silu_kernel's passes for an NCHW x, whose groups
+   are contiguous; groupnorm_silu_nhwc_kernel's for any other);
 2. `_window`: each row's window of x gathered, normalized, SiLU, masked            -> conv1;
 3. `_window_sums`: per row and channel, the deviation sums of h (+ the time embedding) on the row's
    own window, and norm2's recorded per-position sums there, as per-program partials that
@@ -18,9 +19,11 @@ cuDNN's convolutions:
    on each row's own box.
 
 Every tensor is read through its strides, so any memory layout works; in channels_last a tile's
-channels are contiguous. Sums and normalization run in fp32, and where the torch form materializes
-a tensor in the activations' dtype (h + the time embedding, output + shortcut) the value is rounded
-to it the same way.
+channels are contiguous. A window is written in the layout of the convolution's weight that reads it
+(x may come in NCHW: SDXL's transformer models return NCHW beside channels_last weights, and cuDNN
+would copy an NCHW input of an NHWC convolution). Sums and normalization run in fp32, and where the
+torch form materializes a tensor in the activations' dtype (h + the time embedding, output +
+shortcut) the value is rounded to it the same way.
 """
 
 from __future__ import annotations
@@ -32,8 +35,8 @@ import torch.nn.functional as F
 import triton
 import triton.language as tl
 
-from plugins.groupnorm_silu_kernel import num_sms, rounded_like
-from plugins.groupnorm_silu_nhwc_kernel import group_stats
+from plugins.groupnorm_silu_kernel import group_stats_nchw, num_sms, rounded_like
+from plugins.groupnorm_silu_nhwc_kernel import group_stats as group_stats_strided
 
 _TILE = 4096  # elements of a [positions, channels] tile
 _MAX_BLOCK_C = 128
@@ -210,17 +213,17 @@ def _bytes(mask: torch.Tensor) -> torch.Tensor:
 
 
 def window(src: torch.Tensor, rows: torch.Tensor | None, cols: torch.Tensor | None, on: torch.Tensor | None,
-           shape: tuple[int, int], norm: tuple = (), weight: torch.Tensor | None = None,
+           shape: tuple[int, int], reader: torch.Tensor, norm: tuple = (), weight: torch.Tensor | None = None,
            bias: torch.Tensor | None = None, pre: torch.Tensor | None = None) -> torch.Tensor:
-    """_window's output [rows, C, *shape] in src's dtype and layout. `rows`, `cols` ([rows, h],
-    [rows, w]): where each row's window lies on src's grid (None: src is the window); `on`
-    ([rows, h, w] bool): where it is kept (None: everywhere); `norm`: () for none, (stats,) with
-    stats [2, rows * G] (mean and 1/std), or (stats, new, old, positions, eps), each [rows, 2, G]:
-    norm2's recorded statistics and a window's deviation sums, new and recorded; `pre` [rows, C]:
-    added to src first."""
+    """_window's output [rows, C, *shape] in src's dtype and the layout of `reader` (the weight of
+    the convolution that reads it). `rows`, `cols` ([rows, h], [rows, w]): where each row's window
+    lies on src's grid (None: src is the window); `on` ([rows, h, w] bool): where it is kept (None:
+    everywhere); `norm`: () for none, (stats,) with stats [2, rows * G] (mean and 1/std), or (stats,
+    new, old, positions, eps), each [rows, 2, G]: norm2's recorded statistics and a window's
+    deviation sums, new and recorded; `pre` [rows, C]: added to src first."""
     n, C = src.shape[:2]
     bh, bw = shape
-    fmt = torch.channels_last if _channels_last(src) else torch.contiguous_format
+    fmt = torch.channels_last if _channels_last(reader) else torch.contiguous_format
     out = torch.empty((n, C, bh, bw), dtype=src.dtype, device=src.device, memory_format=fmt)
     if out.numel() == 0:
         return out
@@ -294,29 +297,36 @@ def place(recorded: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, cols: tor
     return out
 
 
+def group_stats(x: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
+    """[2, rows * groups] fp32: each row's and group's mean and 1/std over x's whole grid."""
+    return group_stats_nchw(x, groups, eps) if x.is_contiguous() else group_stats_strided(x, groups, eps)
+
+
 def resnet_box(x, temb_proj, geometry, recorded, norm2_stats, norm2_maps, norm1_weight, norm1_bias, conv1_weight,
                conv1_bias, norm2_weight, norm2_bias, conv2_weight, conv2_bias, shortcut_weight, shortcut_bias,
                groups1, groups2, eps1, eps2, scale):
     """conv_subsets.resnet_box_body's result, its passes as above."""
     rows2, cols2, on2, rows1, cols1, window1, rows0, cols0, own0 = geometry
     height, width = x.shape[-2:]
-    a1 = window(x, rows2, cols2, on2, on2.shape[1:], (group_stats(x, groups1, eps1),), norm1_weight, norm1_bias)
+    a1 = window(x, rows2, cols2, on2, on2.shape[1:], conv1_weight, (group_stats(x, groups1, eps1),), norm1_weight,
+                norm1_bias)
     h = F.conv2d(a1, conv1_weight, conv1_bias)  # the box widened by 1; the time embedding added where read
     new, old = window_sums(h, temb_proj, norm2_stats, window1, norm2_maps, rows1, cols1)
     positions = h.shape[1] // groups2 * height * width
-    a2 = window(h, None, None, window1, h.shape[-2:], (norm2_stats, new, old, positions, eps2), norm2_weight,
-                norm2_bias, pre=temb_proj)
+    a2 = window(h, None, None, window1, h.shape[-2:], conv2_weight, (norm2_stats, new, old, positions, eps2),
+                norm2_weight, norm2_bias, pre=temb_proj)
     y = F.conv2d(a2, conv2_weight, conv2_bias)
     if shortcut_weight is None:
         return place(recorded, y, rows0, cols0, own0, x, on_grid=True, scale=scale)
-    shortcut = F.conv2d(window(x, rows0, cols0, None, own0.shape[1:]), shortcut_weight, shortcut_bias)
+    # (in conv1's layout: a 1x1 weight's layout is ambiguous)
+    shortcut = F.conv2d(window(x, rows0, cols0, None, own0.shape[1:], conv1_weight), shortcut_weight, shortcut_bias)
     return place(recorded, y, rows0, cols0, own0, shortcut, scale=scale)
 
 
 def upsample_box(x, geometry, recorded, weight, bias):
     """conv_subsets' upsampler box (easel::upsample_box) as above."""
     source_rows, source_cols, on, box_rows, box_cols, own = geometry
-    y = F.conv2d(window(x, source_rows, source_cols, on, on.shape[1:]), weight, bias)
+    y = F.conv2d(window(x, source_rows, source_cols, on, on.shape[1:], weight), weight, bias)
     return place(recorded, y, box_rows, box_cols, own)
 
 

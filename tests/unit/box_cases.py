@@ -29,8 +29,10 @@ def tokens(boxes: tuple[Box, ...], height: int, width: int, device) -> torch.Ten
 
 
 def resnet_args(c_in: int, c_out: int, height: int, width: int, boxes: tuple[Box, ...], sides: tuple[int, int],
-                fmt: torch.memory_format, dtype: torch.dtype, device, groups: int = 4) -> tuple:
-    """easel::resnet_box's arguments for a random block, its recording made at another input."""
+                fmt: torch.memory_format, dtype: torch.dtype, device, groups: int = 4,
+                x_fmt: torch.memory_format | None = None) -> tuple:
+    """easel::resnet_box's arguments for a random block (weights in `fmt`), its recording made at
+    another input; x in `x_fmt` (default `fmt`)."""
     from diffusers.models.resnet import ResnetBlock2D
 
     from backends.core.runtime import conv_subsets
@@ -38,7 +40,8 @@ def resnet_args(c_in: int, c_out: int, height: int, width: int, boxes: tuple[Box
     torch.manual_seed(0)
     block = ResnetBlock2D(in_channels=c_in, out_channels=c_out, temb_channels=12, groups=groups).eval()
     block = block.to(device, dtype).to(memory_format=fmt)
-    x = torch.randn(len(boxes), c_in, height, width, dtype=dtype, device=device).contiguous(memory_format=fmt)
+    x = torch.randn(len(boxes), c_in, height, width, dtype=dtype, device=device)
+    x = x.contiguous(memory_format=x_fmt or fmt)
     temb = torch.randn(len(boxes), 12, dtype=dtype, device=device)
     with torch.inference_mode():
         recorded, stats, maps = conv_subsets.whole(block, x + 0.3 * torch.randn_like(x), temb, stats=True)
@@ -52,15 +55,18 @@ def resnet_args(c_in: int, c_out: int, height: int, width: int, boxes: tuple[Box
 
 
 def upsample_args(channels: int, height: int, width: int, boxes: tuple[Box, ...], sides: tuple[int, int],
-                  fmt: torch.memory_format, dtype: torch.dtype, device) -> tuple:
-    """easel::upsample_box's arguments (x, geometry, recorded, weight, bias) for a random upsampler."""
+                  fmt: torch.memory_format, dtype: torch.dtype, device, x_fmt: torch.memory_format | None = None
+                  ) -> tuple:
+    """easel::upsample_box's arguments (x, geometry, recorded, weight, bias) for a random upsampler
+    (weights in `fmt`, x in `x_fmt`, default `fmt`)."""
     from diffusers.models.upsampling import Upsample2D
 
     from backends.core.runtime import conv_subsets
 
     torch.manual_seed(1)
     block = Upsample2D(channels, use_conv=True).eval().to(device, dtype).to(memory_format=fmt)
-    x = torch.randn(len(boxes), channels, height, width, dtype=dtype, device=device).contiguous(memory_format=fmt)
+    x = torch.randn(len(boxes), channels, height, width, dtype=dtype, device=device)
+    x = x.contiguous(memory_format=x_fmt or fmt)
     with torch.inference_mode():
         recorded = Upsample2D.forward(block, x + 0.3 * torch.randn_like(x))
     geometry = conv_subsets.upsample_geometry(tokens(boxes, height, width, device), height, width, *sides)
@@ -70,20 +76,22 @@ def upsample_args(channels: int, height: int, width: int, boxes: tuple[Box, ...]
 def errors(device, dtype: torch.dtype, cases=SMALL, groups: int = 4) -> list[dict]:
     """For each case and layout, the Triton kernels' output against the torch form's: the largest
     difference over the largest magnitude, whether the layouts agree, and whether the box changed
-    the recording at all (else the comparison would prove nothing)."""
+    the recording at all (else the comparison would prove nothing). The layouts: NCHW, channels_last,
+    and an NCHW x beside channels_last weights (SDXL's transformer models return NCHW)."""
     from backends.core.runtime import conv_subsets
     from plugins import resnet_box_kernel
 
+    nchw, cl = torch.contiguous_format, torch.channels_last
     out = []
-    for fmt, layout in ((torch.contiguous_format, "nchw"), (torch.channels_last, "channels_last")):
+    for fmt, x_fmt, layout in ((nchw, nchw, "nchw"), (cl, cl, "channels_last"), (cl, nchw, "nchw x")):
         for c_in, c_out, height, width, boxes, sides in cases:
-            args = resnet_args(c_in, c_out, height, width, boxes, sides, fmt, dtype, device, groups)
+            args = resnet_args(c_in, c_out, height, width, boxes, sides, fmt, dtype, device, groups, x_fmt)
             with torch.inference_mode():
                 want = conv_subsets.resnet_box_body(*args)
                 got = resnet_box_kernel.resnet_box(*args)
             out.append(_compare(f"resnet {c_in}->{c_out} {layout}", got, want, args[3]))
             up_sides = (min(2 * height, 2 * sides[0] + 2), min(2 * width, 2 * sides[1] + 2))
-            up = upsample_args(c_in, height, width, boxes, up_sides, fmt, dtype, device)
+            up = upsample_args(c_in, height, width, boxes, up_sides, fmt, dtype, device, x_fmt)
             with torch.inference_mode():
                 want = conv_subsets.upsample_box_body(*up)
                 got = resnet_box_kernel.upsample_box(*up)

@@ -2,7 +2,8 @@
 and easel::upsample_box run on CUDA) through Triton's interpreter on the CPU, against the torch
 form (conv_subsets.resnet_box_body, upsample_box_body) on random blocks, fp32: within 1e-5 of the
 largest magnitude (the same math; the statistics' sums run in another order), in either memory
-layout, with boxes at the grid's edges and both kinds of shortcut."""
+layout and with an NCHW input beside channels_last weights, with boxes at the grid's edges and both
+kinds of shortcut."""
 
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ def test_the_box_kernels_in_the_interpreter_give_the_torch_forms_outputs():
                           timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     results = json.loads(proc.stdout.strip().splitlines()[-1])
-    assert len(results) == 8
+    assert len(results) == 12
     for r in results:
         assert r["changed"] and r["same_layout"], r
         assert r["rel_err"] <= 1e-5, r
