@@ -177,7 +177,7 @@ def group_norm_silu_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     sms = num_sms(x.device)
     has_bias = pre_bias is not None
     pre_bias = pre_bias.contiguous() if has_bias else weight  # any pointer: unread without HAS_BIAS
-    partials, splits = _partial_stats_of(x, num_groups, pre_bias, has_bias)
+    partials, splits = _partial_stats_of(x, num_groups, pre_bias if has_bias else None)
 
     # Apply: one channel row per program axis 0; several tiles per program when there are
     # plenty, so each program's merge of the partials is amortized.
@@ -193,7 +193,7 @@ def group_norm_silu_triton(x: torch.Tensor, weight: torch.Tensor, bias: torch.Te
     return y
 
 
-def _partial_stats_of(x: torch.Tensor, num_groups: int, pre_bias: torch.Tensor, has_bias: bool
+def _partial_stats_of(x: torch.Tensor, num_groups: int, pre_bias: torch.Tensor | None = None
                       ) -> tuple[torch.Tensor, int]:
     """The stats pass over a contiguous x: partials [3, N * num_groups * splits] (mean, M2, count
     of each group's splits, shifted by the group's first element) and the number of splits."""
@@ -210,9 +210,10 @@ def _partial_stats_of(x: torch.Tensor, num_groups: int, pre_bias: torch.Tensor, 
     chunk = triton.cdiv(triton.cdiv(group_numel, splits), block) * block
     splits = triton.cdiv(group_numel, chunk)  # rounding the chunk up may leave fewer
     partials = torch.empty((3, groups * splits), device=x.device, dtype=torch.float32)
+    has_bias = pre_bias is not None
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _partial_stats[(groups, splits)](
-            x, pre_bias, partials[0], partials[1], partials[2], group_numel, chunk, splits,
+            x, pre_bias if has_bias else x, partials[0], partials[1], partials[2], group_numel, chunk, splits,
             C, HW, C // num_groups, num_groups,
             HAS_BIAS=has_bias, BLOCK=block, num_warps=8 if block >= 2048 else 4)
     return partials, splits
@@ -221,9 +222,9 @@ def _partial_stats_of(x: torch.Tensor, num_groups: int, pre_bias: torch.Tensor, 
 def group_stats_nchw(x: torch.Tensor, num_groups: int, eps: float) -> torch.Tensor:
     """GroupNorm's statistics of a contiguous (NCHW) x [N, C, *spatial]: [2, N * num_groups] fp32,
     each sample's and group's mean and 1/std (biased variance), read in x's own dtype, each group's
-    elements contiguous (plugins/groupnorm_silu_nhwc_kernel.group_stats reads a channels_last x)."""
+    elements contiguous (plugins/groupnorm_silu_nhwc_kernel.group_stats_nhwc reads a channels_last x)."""
     N, C = x.shape[0], x.shape[1]
-    partials, splits = _partial_stats_of(x, num_groups, x, False)
+    partials, splits = _partial_stats_of(x, num_groups)
     out = torch.empty((2, N * num_groups), device=x.device, dtype=torch.float32)
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
         _group_totals[(N * num_groups,)](x, partials[0], partials[1], partials[2], out, N * num_groups,

@@ -5,8 +5,7 @@ C / G of them. So programs walk pixels, not groups, and load whole [pixels, chan
 (every byte of a row used, coalesced); the groups are put together only from per-channel partials:
 
 1. `_stats`: grid (N, splits). Each program folds a range of one sample's pixels into per-channel
-   (mean, M2) with per-lane Welford updates, then merges its pixel lanes (Chan's formula). It reads
-   x through its strides, so `group_stats` (these statistics alone) serves NCHW inputs too.
+   (mean, M2) with per-lane Welford updates, then merges its pixel lanes (Chan's formula).
 2. `_finalize`: grid (N * G). Merges a group's channels' partials of every split into its mean and
    1/std.
 3. `_apply`: grid (N, pixel tiles). Normalizes, applies each channel's affine and SiLU in fp32,
@@ -36,15 +35,15 @@ _MAX_SPLITS = 1024
 
 
 @triton.jit
-def _stats(x_ptr, pre_bias_ptr, mean_ptr, m2_ptr, HW, C, channels_per_group, chunk, splits, s_n, s_p, s_c,
+def _stats(x_ptr, pre_bias_ptr, mean_ptr, m2_ptr, HW, C, channels_per_group, chunk, splits,
            HAS_BIAS: tl.constexpr, BLOCK_P: tl.constexpr, BLOCK_C: tl.constexpr):
     n = tl.program_id(0)
     split = tl.program_id(1)
-    base = x_ptr + n.to(tl.int64) * s_n
+    base = x_ptr + n.to(tl.int64) * HW * C
     cs = tl.arange(0, BLOCK_C)
     c_live = cs < C
     first_c = (cs // channels_per_group) * channels_per_group
-    shift = tl.load(base + first_c * s_c, mask=c_live, other=0.0).to(tl.float32)
+    shift = tl.load(base + first_c, mask=c_live, other=0.0).to(tl.float32)
     if HAS_BIAS:
         shift += tl.load(pre_bias_ptr + first_c, mask=c_live, other=0.0).to(tl.float32)
         bias = tl.load(pre_bias_ptr + cs, mask=c_live, other=0.0).to(tl.float32)
@@ -57,7 +56,7 @@ def _stats(x_ptr, pre_bias_ptr, mean_ptr, m2_ptr, HW, C, channels_per_group, chu
     m2 = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32)
     for t in range(n_full):
         pix = start + t * BLOCK_P + ps
-        v = tl.load(base + pix[:, None].to(tl.int64) * s_p + cs[None, :] * s_c, mask=c_live[None, :], other=0.0)
+        v = tl.load(base + pix[:, None].to(tl.int64) * C + cs[None, :], mask=c_live[None, :], other=0.0)
         v = v.to(tl.float32)
         if HAS_BIAS:
             v = rounded_like(v + bias[None, :], x_ptr)
@@ -68,7 +67,7 @@ def _stats(x_ptr, pre_bias_ptr, mean_ptr, m2_ptr, HW, C, channels_per_group, chu
     count = tl.zeros([BLOCK_P, BLOCK_C], dtype=tl.float32) + n_full.to(tl.float32)
     pix = start + n_full * BLOCK_P + ps
     live = (pix < end)[:, None] & c_live[None, :]
-    v = tl.load(base + pix[:, None].to(tl.int64) * s_p + cs[None, :] * s_c, mask=live, other=0.0).to(tl.float32)
+    v = tl.load(base + pix[:, None].to(tl.int64) * C + cs[None, :], mask=live, other=0.0).to(tl.float32)
     if HAS_BIAS:
         v = rounded_like(v + bias[None, :], x_ptr)
     v -= shift[None, :]
@@ -86,7 +85,7 @@ def _stats(x_ptr, pre_bias_ptr, mean_ptr, m2_ptr, HW, C, channels_per_group, chu
 
 @triton.jit
 def _finalize(x_ptr, pre_bias_ptr, mean_ptr, m2_ptr, group_mean_ptr, group_rstd_ptr,
-              HW, C, G, channels_per_group, chunk, splits, eps, s_n, s_c,
+              HW, C, G, channels_per_group, chunk, splits, eps,
               HAS_BIAS: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_CPG: tl.constexpr):
     ng = tl.program_id(0)
     n = ng // G
@@ -107,7 +106,7 @@ def _finalize(x_ptr, pre_bias_ptr, mean_ptr, m2_ptr, group_mean_ptr, group_rstd_
         mean, m2, count = _welford_combine(mean, m2, count, mean_b, m2_b, count_b)
     mean, m2, count = tl.reduce((mean, m2, count), 1, _welford_combine)
     mean, m2, count = tl.reduce((mean, m2, count), 0, _welford_combine)
-    first = tl.load(x_ptr + n.to(tl.int64) * s_n + c0 * s_c).to(tl.float32)  # the stats pass's shift
+    first = tl.load(x_ptr + n.to(tl.int64) * HW * C + c0).to(tl.float32)  # the stats pass's shift
     if HAS_BIAS:
         first += tl.load(pre_bias_ptr + c0).to(tl.float32)
     tl.store(group_mean_ptr + ng, mean + first)
@@ -150,15 +149,12 @@ def _launch_config(x: torch.Tensor) -> tuple[int, int, int]:
     return block_p, block_c, 8 if block_p * block_c >= 2048 else 4
 
 
-def _group_stats(x: torch.Tensor, num_groups: int, eps: float, pre_bias: torch.Tensor | None,
-                 bias_arg: torch.Tensor) -> torch.Tensor:
-    """[2, N * num_groups] fp32: each sample's and group's mean and 1/std (the stats and finalize
-    passes); `bias_arg`: pre_bias, or any tensor when there is none (its pointer is unread). x is
-    read through its strides: channels_last, or any layout whose pixels are evenly spaced."""
+def group_stats_nhwc(x: torch.Tensor, num_groups: int, eps: float, pre_bias: torch.Tensor | None = None
+                     ) -> torch.Tensor:
+    """GroupNorm's statistics of a channels_last [N, C, H, W] x (+ pre_bias): [2, N * num_groups]
+    fp32, each sample's and group's mean and 1/std (biased variance), read in x's own dtype (the
+    stats and finalize passes)."""
     N, C = x.shape[0], x.shape[1]
-    s_n, s_c, s_p = x.stride(0), x.stride(1), x.stride(-1)
-    if any(x.stride(d) != x.shape[d + 1] * x.stride(d + 1) for d in range(2, x.dim() - 1)):
-        raise ValueError(f"group statistics: the pixels of strides {x.stride()} are not evenly spaced")
     HW = math.prod(x.shape[2:])
     cpg = C // num_groups
     block_p, block_c, warps = _launch_config(x)
@@ -170,19 +166,14 @@ def _group_stats(x: torch.Tensor, num_groups: int, eps: float, pre_bias: torch.T
     partials = torch.empty((2, N * splits * C), device=x.device, dtype=torch.float32)
     stats = torch.empty((2, N * num_groups), device=x.device, dtype=torch.float32)
     has_bias = pre_bias is not None
+    bias_arg = pre_bias if has_bias else x  # any pointer: unread without HAS_BIAS
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():
-        _stats[(N, splits)](x, bias_arg, partials[0], partials[1], HW, C, cpg, chunk, splits, s_n, s_p, s_c,
+        _stats[(N, splits)](x, bias_arg, partials[0], partials[1], HW, C, cpg, chunk, splits,
                             HAS_BIAS=has_bias, BLOCK_P=block_p, BLOCK_C=block_c, num_warps=warps)
         _finalize[(N * num_groups,)](x, bias_arg, partials[0], partials[1], stats[0], stats[1],
-                                     HW, C, num_groups, cpg, chunk, splits, eps, s_n, s_c, HAS_BIAS=has_bias,
+                                     HW, C, num_groups, cpg, chunk, splits, eps, HAS_BIAS=has_bias,
                                      BLOCK_S=64, BLOCK_CPG=triton.next_power_of_2(cpg))
     return stats
-
-
-def group_stats(x: torch.Tensor, num_groups: int, eps: float) -> torch.Tensor:
-    """GroupNorm's statistics of x [N, C, H, W] (channels_last or contiguous): [2, N * num_groups]
-    fp32, each sample's and group's mean and 1/std (biased variance), read in x's own dtype."""
-    return _group_stats(x, num_groups, eps, None, x)
 
 
 def group_norm_silu_nhwc(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, num_groups: int, eps: float,
@@ -197,7 +188,7 @@ def group_norm_silu_nhwc(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     block_p, block_c, warps = _launch_config(x)
     has_bias = pre_bias is not None
     pre_bias = pre_bias.contiguous() if has_bias else weight  # any pointer: unread without HAS_BIAS
-    stats = _group_stats(x, num_groups, eps, pre_bias if has_bias else None, pre_bias)
+    stats = group_stats_nhwc(x, num_groups, eps, pre_bias if has_bias else None)
     tiles = triton.cdiv(HW, block_p)
     per_program = max(1, min(8, tiles, (N * tiles) // (8 * num_sms(x.device))))
     with torch.cuda.device(x.device) if x.is_cuda else contextlib.nullcontext():

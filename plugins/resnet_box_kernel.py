@@ -7,8 +7,8 @@ masks, the deviation sums, the scatter into the recording) were about 75 kernels
 longer than its two convolutions at SDXL's sizes on an H200. Here each pass is one kernel, around
 cuDNN's convolutions:
 
-1. norm1's statistics over x's whole grid (groupnorm_silu_kernel's passes for an NCHW x, whose groups
-   are contiguous; groupnorm_silu_nhwc_kernel's for any other);
+1. norm1's statistics over x's whole grid (groupnorm_silu_nhwc_kernel's passes for a channels_last x,
+   groupnorm_silu_kernel's, whose groups are contiguous, for an NCHW one);
 2. `_window`: each row's window of x gathered, normalized, SiLU, masked            -> conv1;
 3. `_window_sums`: per row and channel, the deviation sums of h (+ the time embedding) on the row's
    own window, and norm2's recorded per-position sums there, as per-program partials that
@@ -36,7 +36,7 @@ import triton
 import triton.language as tl
 
 from plugins.groupnorm_silu_kernel import group_stats_nchw, num_sms, rounded_like
-from plugins.groupnorm_silu_nhwc_kernel import group_stats as group_stats_strided
+from plugins.groupnorm_silu_nhwc_kernel import group_stats_nhwc
 
 _TILE = 4096  # elements of a [positions, channels] tile
 _MAX_BLOCK_C = 128
@@ -299,7 +299,7 @@ def place(recorded: torch.Tensor, y: torch.Tensor, rows: torch.Tensor, cols: tor
 
 def group_stats(x: torch.Tensor, groups: int, eps: float) -> torch.Tensor:
     """[2, rows * groups] fp32: each row's and group's mean and 1/std over x's whole grid."""
-    return group_stats_nchw(x, groups, eps) if x.is_contiguous() else group_stats_strided(x, groups, eps)
+    return group_stats_nhwc(x, groups, eps) if _channels_last(x) else group_stats_nchw(x.contiguous(), groups, eps)
 
 
 def resnet_box(x, temb_proj, geometry, recorded, norm2_stats, norm2_maps, norm1_weight, norm1_bias, conv1_weight,

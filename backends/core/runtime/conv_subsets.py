@@ -315,14 +315,10 @@ def _(x, temb_proj, geometry, recorded, *rest):
 
 
 @_resnet_box.register_kernel("cuda")
-def _(x, temb_proj, geometry, recorded, norm2_stats, norm2_maps, norm1_weight, norm1_bias, conv1_weight, conv1_bias,
-      norm2_weight, norm2_bias, conv2_weight, conv2_bias, shortcut_weight, shortcut_bias, groups1, groups2, eps1, eps2,
-      scale):
+def _(*args):  # (the operator's arguments, in its schema's order)
     from plugins import resnet_box_kernel  # (Triton: imported at a GPU's first box)
 
-    return resnet_box_kernel.resnet_box(x, temb_proj, geometry, recorded, norm2_stats, norm2_maps, norm1_weight,
-                                        norm1_bias, conv1_weight, conv1_bias, norm2_weight, norm2_bias, conv2_weight,
-                                        conv2_bias, shortcut_weight, shortcut_bias, groups1, groups2, eps1, eps2, scale)
+    return resnet_box_kernel.resnet_box(*args)
 
 
 def upsample_side(fraction: float, side: int) -> int:
@@ -377,10 +373,10 @@ def _(x, geometry, recorded, weight, bias):
 
 
 @_upsample_box.register_kernel("cuda")
-def _(x, geometry, recorded, weight, bias):
+def _(*args):
     from plugins import resnet_box_kernel
 
-    return resnet_box_kernel.upsample_box(x, geometry, recorded, weight, bias)
+    return resnet_box_kernel.upsample_box(*args)
 
 
 def _own_box(tokens: torch.Tensor, height: int, width: int) -> tuple[torch.Tensor, ...]:
